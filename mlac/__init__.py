@@ -1,0 +1,16 @@
+"""mlac: compile Hugging Face DeepSeek checkpoints into verified artifacts and serve them."""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: `import mlac` must stay cheap for the CLI and must not import torch-heavy runtime code.
+    if name == "Engine":
+        from mlac.runtime.engine import Engine
+
+        return Engine
+    if name == "SamplingParams":
+        from mlac.runtime.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'mlac' has no attribute {name!r}")

@@ -1,0 +1,182 @@
+"""The artifact's on-disk contract: the manifest (pydantic, schema-versioned) and its paths.
+
+Both sides read this file: the compiler writes a Manifest, the runtime loads and checks one.
+Format documentation: artifacts/README.md. JSON Schema: artifacts/manifest.schema.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mlac.config import ModelConfig
+from mlac.errors import MlacError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SourceInfo(Frozen):
+    """Where the artifact came from: enough to tell whether two artifacts share a source."""
+
+    config_sha256: str
+    index_sha256: str | None = None
+    files: int
+    bytes: int
+    dtypes: list[str]  # dtypes of the source weight tensors, sorted
+    mtp_layers: list[int] = []  # MTP layers found and kept out of the main model (V3)
+    mtp_tensors: int = 0
+
+
+class CompileOptions(Frozen):
+    fp8: bool = False
+    tp: int = 1
+    ep: int = 1
+    kv_cache_dtype: Literal["bf16", "fp8_e4m3", "fp8_e5m2"] = "bf16"
+    accuracy_check: bool = True
+
+
+class PassRecord(Frozen):
+    name: str
+    params: dict[str, Any] = {}
+
+
+class ParallelPlan(Frozen):
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+
+class Quantization(Frozen):
+    scheme: Literal["none", "fp8-block"]
+    fmt: Literal["e4m3"] | None = None
+    block: tuple[int, int] | None = None
+    scale_dtype: Literal["float32"] | None = None
+    kept_source_blocks: bool = False  # True when FP8 blocks came from the checkpoint untouched
+    tensors: int = 0  # how many weights are FP8
+
+
+class AccuracyReport(Frozen):
+    """Logits of the compiled artifact against the unquantized source, on probe sequences."""
+
+    status: Literal["measured", "skipped"]
+    reason: str | None = None  # why it was skipped
+    reference: str | None = None  # what the artifact was compared with
+    probes: int = 0
+    tokens_per_probe: int = 0
+    rel_l2: float | None = None  # ‖compiled − ref‖ / ‖ref‖ over all probe logits
+    max_abs: float | None = None
+    top1_agreement: float | None = None  # fraction of positions with the same argmax
+
+
+class TensorEntry(Frozen):
+    file: str  # relative to the artifact root
+    dtype: str  # safetensors dtype name: BF16, F32, F8_E4M3, ...
+    shape: list[int]
+
+
+class FileEntry(Frozen):
+    path: str  # relative, POSIX
+    size: int
+    sha256: str
+
+
+class Manifest(Frozen):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    mlac_version: str
+    torch_version: str
+    triton_version: str | None
+    source: SourceInfo
+    model: ModelConfig
+    options: CompileOptions
+    passes: list[PassRecord]
+    plan: ParallelPlan
+    quantization: Quantization
+    target: str = "portable"
+    buckets: dict[str, Any] | None = None  # CUDA-graph buckets and memory plan (GPU compiles)
+    accuracy: AccuracyReport
+    # tensors[rank][name]: every tensor a rank must load, checked strictly at load
+    tensors: list[dict[str, TensorEntry]] = Field(min_length=1)
+    files: list[FileEntry]
+
+    def rank_dir(self, rank: int) -> str:
+        return rank_dir(rank, self.plan.world_size)
+
+    def to_json(self) -> str:
+        # sort_keys + no timestamps: compiling twice gives the same bytes
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def load(cls, root: str | Path) -> Manifest:
+        path = Path(root) / MANIFEST
+        if not path.is_file():
+            raise MlacError(f"{root}: not an mlac artifact ({MANIFEST} not found)")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MlacError(f"{path}: invalid JSON ({e})") from None
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        if version != SCHEMA_VERSION:
+            raise MlacError(
+                f"{path}: schema_version {version!r} is not {SCHEMA_VERSION}; recompile with this mlac"
+            )
+        try:
+            manifest = cls.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise MlacError(f"{path}: invalid manifest at {where}: {err['msg']}") from None
+        for entry in manifest.files:
+            check_inside(entry.path, path)
+        return manifest
+
+
+def rank_dir(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}"
+
+
+def check_inside(rel: str, where: Path) -> None:
+    """Refuse a manifest path that would leave the artifact directory."""
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or "\\" in rel or not rel:
+        raise MlacError(f"{where}: file path {rel!r} leaves the artifact directory; refusing to load")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_files(root: str | Path, manifest: Manifest, progress: Any = None) -> None:
+    """Re-hash every file; raise naming the first one that is missing or does not match."""
+    root = Path(root)
+    for entry in manifest.files:
+        path = root / entry.path
+        if not path.is_file():
+            raise MlacError(f"{entry.path}: missing from the artifact")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise MlacError(f"{entry.path}: size {size} does not match the manifest ({entry.size})")
+        if sha256_file(path) != entry.sha256:
+            raise MlacError(f"{entry.path}: sha256 does not match the manifest (file modified or corrupt)")
+        if progress is not None:
+            progress(entry.size)
+
+
+def manifest_json_schema() -> str:
+    return json.dumps(Manifest.model_json_schema(), indent=2, sort_keys=True) + "\n"
