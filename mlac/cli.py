@@ -1,0 +1,176 @@
+"""mlac command line: compile, inspect, verify, synth, generate.
+
+Thin wiring over the Python API. Every MlacError becomes `error: <message>` on stderr with exit
+code 1 and no traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from mlac.errors import MlacError
+
+
+def friendly_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MlacError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def _progress(length: int, label: str):
+    return click.progressbar(length=length, label=label, file=sys.stderr, show_eta=True, show_percent=True,
+                             item_show_func=None, width=30)  # fmt: skip
+
+
+def _log(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mlac")
+def main() -> None:
+    """mlac: compile DeepSeek checkpoints into verified artifacts, and run them.
+
+    \b
+      mlac synth tiny-v3 ckpt/            # a synthetic checkpoint (random weights)
+      mlac compile --fp8 ckpt/ out/       # HF checkpoint -> artifact
+      mlac generate out/ --prompt "Hi"    # run it
+    """
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--fp8", is_flag=True, help="Quantize linear weights to block-wise 128x128 e4m3 (FP8 sources keep their blocks).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks per model replica.")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel split of the routed experts (1 or --tp).")
+@click.option("--kv-cache-dtype", type=click.Choice(["bf16", "fp8_e4m3", "fp8_e5m2"]), default="bf16", show_default=True,
+              help="Dtype of the latent KV cache, recorded for the runtime.")
+@click.option("--skip-accuracy-check", is_flag=True, help="Do not run the artifact against the source (for models that do not fit).")
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists (only once the new artifact is complete).")
+@friendly_errors
+def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check, force):
+    """Compile the Hugging Face DeepSeek checkpoint MODEL_DIR into an artifact at OUT_DIR.
+
+    Reads config.json and the safetensors weights (single file or sharded), runs the passes
+    (rope, fuse, absorb, fp8), and writes the artifact atomically with a manifest that hashes
+    every file. Unless --skip-accuracy-check, the artifact's logits are compared with the
+    unquantized source on probe sequences and the error is recorded in the manifest.
+    """
+    from mlac.artifact import CompileOptions
+    from mlac.compiler.pipeline import compile_checkpoint
+    from mlac.compiler.reader import Checkpoint
+
+    options = CompileOptions(fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check)
+    ckpt = Checkpoint(model_dir)
+    with _progress(ckpt.total_bytes, "compiling") as bar:
+        manifest = compile_checkpoint(ckpt, out_dir, options, force=force, progress=bar.update, log=_log)
+    acc = manifest.accuracy
+    if acc.status == "measured":
+        _log(f"accuracy vs {acc.reference}: rel_l2={acc.rel_l2:.3e} max_abs={acc.max_abs:.3e} top1={acc.top1_agreement:.4f}")
+    else:
+        _log(f"accuracy: skipped ({acc.reason})")
+    click.echo(f"wrote {out_dir}")
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@friendly_errors
+def inspect(out_dir, as_json):
+    """Show an artifact: model, passes, plan, quantization, sizes per rank, accuracy."""
+    from mlac.artifact import Manifest
+    from mlac.inspect import describe
+
+    manifest = Manifest.load(out_dir)
+    click.echo(manifest.to_json() if as_json else describe(manifest), nl=not as_json)
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@friendly_errors
+def verify(out_dir):
+    """Re-hash every file of an artifact against its manifest; name the first that differs."""
+    from mlac.artifact import Manifest, verify_files
+
+    manifest = Manifest.load(out_dir)
+    total = sum(f.size for f in manifest.files)
+    with _progress(total, "verifying") as bar:
+        verify_files(out_dir, manifest, progress=bar.update)
+    click.echo(f"ok: {len(manifest.files)} files, {total / 1e9:.3f} GB match the manifest")
+
+
+@main.command()
+@click.argument("preset", required=False)
+@click.argument("out_dir", type=click.Path(path_type=Path), required=False)
+@click.option("--from-config", "config_path", type=click.Path(path_type=Path), help="Use this config.json instead of a preset.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (same seed, same bytes).")
+@click.option("--num-layers", type=int, help="Override num_hidden_layers (keeps at least one MoE layer).")
+@friendly_errors
+def synth(preset, out_dir, config_path, seed, num_layers):
+    """Write a synthetic HF DeepSeek checkpoint (real structure, random weights).
+
+    \b
+      mlac synth PRESET OUT_DIR [--seed N] [--num-layers N]
+      mlac synth --from-config path/to/config.json OUT_DIR [--num-layers N]
+
+    Presets: tiny-v2-lite, tiny-v2, tiny-v3 (FP8, as DeepSeek-V3 is released), v2-lite (real shape, ~31 GB).
+    """
+    from mlac.synth import PRESETS, synthesize
+
+    if config_path is not None:
+        if out_dir is None and preset is not None:
+            preset, out_dir = None, Path(preset)
+        if preset is not None:
+            raise MlacError("give either a PRESET or --from-config, not both")
+    if out_dir is None:
+        raise MlacError(f"missing OUT_DIR (usage: mlac synth PRESET OUT_DIR; presets: {', '.join(PRESETS)})")
+    with _progress(0, "writing") as bar:
+        path = synthesize(out_dir, preset=preset, config_path=config_path, seed=seed, num_layers=num_layers,
+                          progress=bar.update)  # fmt: skip
+    click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text (encoded with the artifact's tokenizer, BOS prepended).")
+@click.option("--chat", is_flag=True, help="Render the prompt as one user message through the chat template.")
+@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 means off.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same output).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@friendly_errors
+def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype):
+    """Load an artifact and print a completion of --prompt."""
+    import torch
+
+    from mlac.runtime.engine import Engine
+
+    engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype))
+    if chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          seed=seed, stop=list(stop) or None)  # fmt: skip
+    click.echo(out.text)
+    _log(f"[{out.prompt_tokens} prompt tokens, {out.completion_tokens} completion tokens, finish: {out.finish_reason}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The compile pipeline: read -> passes -> write, one tensor group (embed, layer i, head) at a time.
+
+    compile_checkpoint(model_dir, out_dir, CompileOptions(fp8=True))   # writes an artifact
+    compile_tensors(model_dir, CompileOptions())                       # the same, in memory
+
+Every check that can fail (config, tensor set, shapes, dtypes, options) runs before the first
+byte is written. The pipeline owns all I/O; passes only transform lazy tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+import mlac
+from mlac.artifact import TOKENIZER_DIR, CompileOptions, Manifest, ParallelPlan, PassRecord, Quantization, SourceInfo
+from mlac.compiler.lazy import LazyTensor
+from mlac.compiler.reader import Checkpoint, read_globals, read_layer
+from mlac.compiler.writer import ArtifactWriter
+from mlac.config import FP8_BLOCK
+from mlac.passes import PassContext, absorb, fp8, fuse, rope, shard
+
+LAYER_PASSES = (rope, fuse, absorb)  # then shard (one layer -> one dict per rank), then fp8 per rank
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+GLOBAL_FILES = {"embed.safetensors": ("embed",), "head.safetensors": ("norm", "head")}
+
+Log = Callable[[str], None]
+
+
+def check_options(ckpt: Checkpoint, options: CompileOptions) -> None:
+    shard.check(ckpt.config, options)
+
+
+def tensor_groups(
+    ckpt: Checkpoint, options: CompileOptions, on_read: Callable[[int], None] | None = None
+) -> Iterator[tuple[str, list[dict[str, LazyTensor]]]]:
+    """(file name, final lazy tensors of each rank) for every group, after all passes."""
+    cfg = ckpt.config
+    globals_ = read_globals(ckpt, on_read)
+    top = PassContext(cfg, options, None)
+    yield "embed.safetensors", shard.run({"embed": globals_["embed"]}, top)
+    for i in range(cfg.num_hidden_layers):
+        tensors = read_layer(ckpt, i, keep_fp8=options.fp8, on_read=on_read)
+        ctx = PassContext(cfg, options, i)
+        for p in LAYER_PASSES:
+            tensors = p.run(tensors, ctx)
+        yield f"layer-{i:05d}.safetensors", [fp8.run(rank, ctx) for rank in shard.run(tensors, ctx)]
+    yield "head.safetensors", shard.run({"norm": globals_["norm"], "head": globals_["head"]}, top)
+
+
+def pass_records(ckpt: Checkpoint, options: CompileOptions) -> list[PassRecord]:
+    ctx = PassContext(ckpt.config, options, None)
+    records = [PassRecord(name="read", params={"fp8_source": ckpt.config.quantization is not None})]
+    records += [PassRecord(name=p.NAME, params=p.params(ctx)) for p in LAYER_PASSES]
+    if options.tp > 1:
+        records.append(PassRecord(name=shard.NAME, params=shard.params(ctx)))
+    if options.fp8:
+        records.append(PassRecord(name=fp8.NAME, params=fp8.params(ctx)))
+    return records
+
+
+def compile_tensors(
+    model_dir: str | Path | Checkpoint, options: CompileOptions | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """The compiled tensors of every rank, in memory (for small models and references)."""
+    ckpt = model_dir if isinstance(model_dir, Checkpoint) else Checkpoint(model_dir)
+    options = options or CompileOptions()
+    check_options(ckpt, options)
+    ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(options.tp)]
+    for _, group in tensor_groups(ckpt, options):
+        for r, tensors in enumerate(group):
+            ranks[r] |= {n: t.load() for n, t in tensors.items()}
+    return ranks
+
+
+def compile_checkpoint(
+    model_dir: str | Path | Checkpoint,
+    out_dir: str | Path,
+    options: CompileOptions | None = None,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    log: Log = lambda msg: None,
+) -> Manifest:
+    """Compile a HF DeepSeek checkpoint into an artifact at out_dir (atomically)."""
+    options = options or CompileOptions()
+    ckpt = model_dir if isinstance(model_dir, Checkpoint) else Checkpoint(model_dir)
+    check_options(ckpt, options)
+    cfg = ckpt.config
+    log(f"source: {cfg.model_type}, {cfg.num_hidden_layers} layers, {ckpt.total_bytes / 1e9:.2f} GB in {len(ckpt.files)} file(s)")
+    if ckpt.mtp_layers:
+        log(f"source: MTP layer(s) {ckpt.mtp_layers} recorded, not compiled into the main model")
+    start = time.perf_counter()
+    with ArtifactWriter(out_dir, world_size=options.tp, force=force) as w:
+        for file, ranks in tensor_groups(ckpt, options, progress):
+            w.write_group(file, ranks)
+        for name in TOKENIZER_FILES:
+            if (ckpt.dir / name).is_file():
+                w.copy_file(ckpt.dir / name, f"{TOKENIZER_DIR}/{name}")
+        elapsed = time.perf_counter() - start
+        log(f"wrote {sum(f.size for f in w.files) / 1e9:.2f} GB in {elapsed:.1f} s "
+            f"({ckpt.total_bytes / 1e6 / max(elapsed, 1e-9):.0f} MB/s of source)")
+        manifest = _manifest(ckpt, options, w, accuracy=None)
+        accuracy = _accuracy(ckpt, options, w.root, manifest, log)
+        return _commit(w, manifest.model_copy(update={"accuracy": accuracy}))
+
+
+def _commit(w: ArtifactWriter, manifest: Manifest) -> Manifest:
+    w.commit(Manifest.model_validate(manifest.model_dump()))
+    return manifest
+
+
+def _accuracy(ckpt: Checkpoint, options: CompileOptions, root: Path, manifest: Manifest, log: Log):
+    from mlac.compiler.accuracy import measure_accuracy
+
+    return measure_accuracy(ckpt, options, root, manifest, log)
+
+
+def _manifest(ckpt: Checkpoint, options: CompileOptions, w: ArtifactWriter, accuracy) -> Manifest:
+    from mlac.artifact import AccuracyReport
+
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    n_fp8 = sum(1 for n in w.tensors[0] if n.endswith(".scale"))
+    quant = Quantization(scheme="none")
+    if options.fp8:
+        quant = Quantization(
+            scheme="fp8-block", fmt="e4m3", block=(FP8_BLOCK, FP8_BLOCK), scale_dtype="float32",
+            kept_source_blocks=ckpt.config.quantization is not None, tensors=n_fp8,
+        )  # fmt: skip
+    source = SourceInfo(
+        config_sha256=ckpt.config_sha256, index_sha256=ckpt.index_sha256, files=len(ckpt.files),
+        bytes=ckpt.total_bytes, dtypes=ckpt.source_dtypes(), mtp_layers=ckpt.mtp_layers, mtp_tensors=ckpt.mtp_tensors,
+    )  # fmt: skip
+    return Manifest(
+        mlac_version=mlac.__version__,
+        torch_version=torch.__version__.split("+")[0],
+        triton_version=triton_version,
+        source=source,
+        model=ckpt.config,
+        options=options,
+        passes=pass_records(ckpt, options),
+        plan=ParallelPlan(tp=options.tp, ep=options.ep),
+        quantization=quant,
+        accuracy=accuracy or AccuracyReport(status="skipped", reason="not measured yet"),
+        tensors=w.tensors,
+        files=sorted(w.files, key=lambda f: f.path),
+    )

@@ -1,0 +1,290 @@
+"""Reader: a Hugging Face DeepSeek checkpoint, checked whole before any heavy work, read lazily.
+
+Opens a single `model.safetensors` or a sharded checkpoint (`model.safetensors.index.json`),
+parses every header, and checks the tensor set against what the ModelConfig implies: a missing,
+extra, misshapen or mistyped tensor is an error naming it. Then it hands out tensors under
+mlac's names (one mapping table, below) as LazyTensors read one at a time. An FP8 source weight
+comes with its block scale as `<name>.scale`, or is dequantized to bf16 when the target is not FP8.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlac.compiler.lazy import LazyTensor
+from mlac.compiler.safetensors_io import SafetensorsFile, TensorInfo
+from mlac.config import FP8_BLOCK, ModelConfig
+from mlac.errors import MlacError
+from mlac.kernels.fp8_gemm import dequantize_blocks
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+FP8_DEQUANT_DTYPE = torch.bfloat16
+
+# HF name suffix inside `model.layers.{i}.` -> mlac name inside `layers.{i}.` (before fusion)
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "attn.wq",
+    "self_attn.q_a_proj.weight": "attn.wq_a",
+    "self_attn.q_a_layernorm.weight": "attn.q_norm",
+    "self_attn.q_b_proj.weight": "attn.wq_b",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.w_kv_a",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_norm",
+    "self_attn.kv_b_proj.weight": "attn.wkv_b",
+    "self_attn.o_proj.weight": "attn.wo",
+    "mlp.gate_proj.weight": "mlp.w1",
+    "mlp.up_proj.weight": "mlp.w3",
+    "mlp.down_proj.weight": "mlp.w2",
+    "mlp.gate.weight": "moe.gate",
+    "mlp.gate.e_score_correction_bias": "moe.gate_bias",
+    "mlp.shared_experts.gate_proj.weight": "moe.shared.w1",
+    "mlp.shared_experts.up_proj.weight": "moe.shared.w3",
+    "mlp.shared_experts.down_proj.weight": "moe.shared.w2",
+}
+EXPERT_NAMES = {"gate_proj.weight": "w1", "up_proj.weight": "w3", "down_proj.weight": "w2"}
+GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "head"}
+NOT_QUANTIZED = {"mlp.gate.weight"}  # 2-D but never FP8 in DeepSeek releases: the router
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+RECENT = 2  # source tensors kept after reading (per-rank slices of one tensor are written in turn)
+
+
+@dataclass(frozen=True)
+class Expected:
+    shape: tuple[int, ...]
+    fp8: bool  # stored as e4m3 with a weight_scale_inv sibling in an FP8 checkpoint
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+
+
+def expected_layer(cfg: ModelConfig, i: int) -> dict[str, Expected]:
+    """HF suffix -> expected shape for decoder layer i (before the FP8 scale companions)."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d),
+        "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        "self_attn.o_proj.weight": (d, h * cfg.v_head_dim),
+    }
+    if cfg.q_lora_rank is None:
+        shapes["self_attn.q_proj.weight"] = (h * cfg.qk_head_dim, d)
+    else:
+        shapes["self_attn.q_a_proj.weight"] = (cfg.q_lora_rank, d)
+        shapes["self_attn.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        shapes["self_attn.q_b_proj.weight"] = (h * cfg.qk_head_dim, cfg.q_lora_rank)
+    if cfg.is_moe_layer(i):
+        e, im = cfg.n_routed_experts, cfg.moe_intermediate_size
+        shapes["mlp.gate.weight"] = (e, d)
+        if cfg.topk_method == "noaux_tc":
+            shapes["mlp.gate.e_score_correction_bias"] = (e,)
+        for x in range(e):
+            shapes |= _mlp(f"mlp.experts.{x}.", im, d)
+        if cfg.n_shared_experts:
+            shapes |= _mlp("mlp.shared_experts.", im * cfg.n_shared_experts, d)
+    else:
+        shapes |= _mlp("mlp.", cfg.intermediate_size, d)
+    return {k: Expected(s, len(s) == 2 and k not in NOT_QUANTIZED) for k, s in shapes.items()}
+
+
+def _mlp(prefix: str, inter: int, d: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}gate_proj.weight": (inter, d), f"{prefix}up_proj.weight": (inter, d), f"{prefix}down_proj.weight": (d, inter)}
+
+
+def expected_globals(cfg: ModelConfig) -> dict[str, Expected]:
+    v, d = cfg.vocab_size, cfg.hidden_size
+    return {
+        "model.embed_tokens.weight": Expected((v, d), False),
+        "model.norm.weight": Expected((d,), False),
+        "lm_head.weight": Expected((v, d), False),
+    }
+
+
+def mlac_layer_name(suffix: str) -> str:
+    if suffix in LAYER_NAMES:
+        return LAYER_NAMES[suffix]
+    m = re.fullmatch(r"mlp\.experts\.(\d+)\.(\w+_proj\.weight)", suffix)
+    assert m, suffix
+    return f"moe.experts.{m.group(1)}.{EXPERT_NAMES[m.group(2)]}"
+
+
+class Checkpoint:
+    """A validated HF DeepSeek checkpoint on disk."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise MlacError(f"{model_dir}: not a directory")
+        self.config = ModelConfig.from_dir(self.dir)
+        self.config_sha256 = hashlib.sha256((self.dir / "config.json").read_bytes()).hexdigest()
+        self.index_sha256: str | None = None
+        self.files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, TensorInfo] = {}  # HF name -> header entry
+        self.owner: dict[str, SafetensorsFile] = {}
+        self._open()
+        self._recent: OrderedDict[str, torch.Tensor] = OrderedDict()  # see `stored`
+        self.mtp_layers: list[int] = []
+        self.mtp_tensors = 0
+        self._check_tensor_set()
+
+    # ---- opening -------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        index = self.dir / INDEX
+        if index.is_file():
+            weight_map = self._read_index(index)
+            for shard in sorted(set(weight_map.values())):
+                self._add_file(shard, f"{INDEX} names shard {shard!r}")
+            for name, shard in weight_map.items():
+                if name not in self.files[shard].tensors:
+                    raise MlacError(f"{index}: tensor {name!r} is mapped to {shard} but that file does not hold it")
+            for shard, f in self.files.items():
+                for name in f.tensors:
+                    if weight_map.get(name) != shard:
+                        raise MlacError(f"{self.dir / shard}: tensor {name!r} is not listed in {INDEX}")
+        elif (self.dir / SINGLE).is_file():
+            self._add_file(SINGLE, SINGLE)
+        else:
+            raise MlacError(f"{self.dir}: no {SINGLE} or {INDEX} found")
+
+    def _read_index(self, index: Path) -> dict[str, str]:
+        raw = index.read_bytes()
+        self.index_sha256 = hashlib.sha256(raw).hexdigest()
+        try:
+            weight_map = json.loads(raw)["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AssertionError):
+            raise MlacError(f"{index}: invalid index (expected JSON with a 'weight_map' object)") from None
+        for shard in set(weight_map.values()):
+            if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
+                raise MlacError(f"{index}: invalid shard file name {shard!r}")
+        return weight_map
+
+    def _add_file(self, rel: str, who: str) -> None:
+        path = self.dir / rel
+        if not path.is_file():
+            raise MlacError(f"{who}, which does not exist in {self.dir}")
+        f = SafetensorsFile(path)
+        self.files[rel] = f
+        for name, info in f.tensors.items():
+            if name in self.where:
+                raise MlacError(f"{path}: tensor {name!r} also appears in {self.owner[name].path.name}")
+            self.where[name] = info
+            self.owner[name] = f
+
+    # ---- validation ----------------------------------------------------------------------
+
+    def _check_tensor_set(self) -> None:
+        cfg = self.config
+        fp8 = cfg.quantization is not None
+        expected: dict[str, Expected] = dict(expected_globals(cfg))
+        for i in range(cfg.num_hidden_layers):
+            expected |= {f"model.layers.{i}.{k}": e for k, e in expected_layer(cfg, i).items()}
+        for name, exp in list(expected.items()):
+            if fp8 and exp.fp8:
+                expected[name.removesuffix(".weight") + ".weight_scale_inv"] = Expected(scale_shape(exp.shape), False)
+        mtp_range = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        mtp = set()
+        for name in sorted(self.where):
+            m = re.match(r"model\.layers\.(\d+)\.", name)
+            if m and int(m.group(1)) in mtp_range:
+                mtp.add(int(m.group(1)))
+                self.mtp_tensors += 1
+            elif name not in expected:
+                raise MlacError(f"{self.owner[name].path}: unexpected tensor {name!r} (not part of this {cfg.model_type} config)")
+        self.mtp_layers = sorted(mtp)
+        for name, exp in expected.items():
+            self._check_one(name, exp, fp8)
+
+    def _check_one(self, name: str, exp: Expected, fp8_source: bool) -> None:
+        if name not in self.where:
+            raise MlacError(f"{self.dir}: missing tensor {name!r}")
+        info = self.where[name]
+        where = f"{self.owner[name].path}: tensor {name!r}"
+        if info.shape != exp.shape:
+            raise MlacError(f"{where} has shape {list(info.shape)}, the config implies {list(exp.shape)}")
+        if name.endswith("weight_scale_inv") or name.endswith("e_score_correction_bias"):
+            ok = info.dtype == torch.float32 if name.endswith("weight_scale_inv") else info.dtype in FLOAT_DTYPES
+            want = "F32" if name.endswith("weight_scale_inv") else "a float dtype"
+        elif fp8_source and exp.fp8:
+            ok, want = info.dtype == torch.float8_e4m3fn, "F8_E4M3 (the config declares an FP8 checkpoint)"
+        else:
+            ok, want = info.dtype in FLOAT_DTYPES, "BF16, F16 or F32"
+        if not ok:
+            raise MlacError(f"{where} has dtype {info.dtype}, expected {want}")
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(info.nbytes for info in self.where.values())
+
+    def source_dtypes(self) -> list[str]:
+        return sorted({str(info.dtype).removeprefix("torch.") for info in self.where.values()})
+
+    def stored(self, name: str, on_read: Callable[[int], None] | None = None) -> LazyTensor:
+        """A source tensor, read when needed.
+
+        The last RECENT tensors read stay cached, so that the per-rank slices of one tensor,
+        written in turn, read it once. Callers must not modify what they get.
+        """
+        info, f = self.where[name], self.owner[name]
+
+        def produce() -> torch.Tensor:
+            if name in self._recent:
+                self._recent.move_to_end(name)
+                return self._recent[name]
+            t = f.read(name)
+            if on_read is not None:
+                on_read(info.nbytes)
+            self._recent[name] = t
+            while len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
+            return t
+
+        return LazyTensor(info.shape, info.dtype, produce)
+
+
+def read_tensors(
+    ckpt: Checkpoint, hf_names: dict[str, str], keep_fp8: bool, on_read: Callable[[int], None] | None = None
+) -> dict[str, LazyTensor]:
+    """HF name -> mlac name for a group of tensors; pairs FP8 weights with `<mlac>.scale`.
+
+    keep_fp8=False dequantizes an FP8 source weight to bf16 (scale multiplies), lazily.
+    """
+    out: dict[str, LazyTensor] = {}
+    for hf, name in hf_names.items():
+        value = ckpt.stored(hf, on_read)
+        scale_name = hf.removesuffix(".weight") + ".weight_scale_inv"
+        if scale_name not in ckpt.where:
+            out[name] = value
+        elif keep_fp8:
+            out[name] = value
+            out[name + ".scale"] = ckpt.stored(scale_name, on_read)
+        else:
+            scale = ckpt.stored(scale_name, on_read)
+            out[name] = LazyTensor(
+                value.shape, FP8_DEQUANT_DTYPE, lambda v=value, s=scale: dequantize_blocks(v.load(), s.load()).to(FP8_DEQUANT_DTYPE)
+            )
+    return out
+
+
+def read_layer(ckpt: Checkpoint, i: int, keep_fp8: bool, on_read=None) -> dict[str, LazyTensor]:
+    names = {f"model.layers.{i}.{s}": f"layers.{i}.{mlac_layer_name(s)}" for s in expected_layer(ckpt.config, i)}
+    return read_tensors(ckpt, names, keep_fp8, on_read)
+
+
+def read_globals(ckpt: Checkpoint, on_read=None) -> dict[str, LazyTensor]:
+    return read_tensors(ckpt, GLOBAL_NAMES, keep_fp8=False, on_read=on_read)

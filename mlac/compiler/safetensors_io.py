@@ -1,0 +1,217 @@
+"""Streaming safetensors I/O with errors that name the file and tensor.
+
+The reader parses the header itself and reads one tensor at a time with plain file reads (no
+mmap), so the compiler's memory holds only the tensors it is working on and a truncated or
+corrupt file is reported before any data is used. The writer computes the header up front and
+streams each tensor's bytes in chunks, hashing them as they go.
+
+Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
+then the raw little-endian data. Offsets are relative to the end of the header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlac.errors import MlacError
+
+DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 << 20
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES[dtype]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """The header of one safetensors file, validated against the file's size."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tensors = self._parse()
+
+    def _fail(self, what: str) -> MlacError:
+        return MlacError(f"{self.path}: {what}")
+
+    def _parse(self) -> dict[str, TensorInfo]:
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise self._fail("truncated safetensors file (no header)")
+                (n,) = struct.unpack("<Q", head)
+                if n > MAX_HEADER or n + 8 > size:
+                    raise self._fail("corrupt or truncated safetensors header")
+                raw = f.read(n)
+        except OSError as e:
+            raise self._fail(f"cannot read ({e.strerror})") from None
+        try:
+            header = json.loads(raw)
+            assert isinstance(header, dict)
+        except (json.JSONDecodeError, UnicodeDecodeError, AssertionError):
+            raise self._fail("corrupt safetensors header (not valid JSON)") from None
+        header.pop("__metadata__", None)
+        data_start, data_len = 8 + n, size - 8 - n
+        out = {}
+        for name, meta in header.items():
+            out[name] = self._entry(name, meta, data_start, data_len)
+        return out
+
+    def _entry(self, name: str, meta: dict, data_start: int, data_len: int) -> TensorInfo:
+        try:
+            dtype = DTYPES[meta["dtype"]]
+            shape = tuple(int(d) for d in meta["shape"])
+            begin, end = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise self._fail(f"corrupt header entry for tensor {name!r}") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise self._fail(f"tensor {name!r}: header offsets do not match its shape and dtype")
+        if end > data_len:
+            raise self._fail(f"truncated: tensor {name!r} ends at byte {end} but the data is {data_len} bytes")
+        return TensorInfo(name, dtype, shape, data_start + begin, nbytes)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Read one tensor into fresh memory."""
+        info = self.tensors[name]
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(info.start)
+                got = f.readinto(memoryview(buf.numpy()))
+        except OSError as e:
+            raise self._fail(f"cannot read tensor {name!r} ({e.strerror})") from None
+        if got != info.nbytes:
+            raise self._fail(f"truncated while reading tensor {name!r}")
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return buf.view(info.dtype).view(info.shape)
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class WriteSpec:
+    """One tensor to write: its header entry and the chunks whose bytes concatenate to it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: Iterable[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _header(specs: list[WriteSpec]) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for s in specs:
+        header[s.name] = {"dtype": dtype_name(s.dtype), "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return struct.pack("<Q", len(raw) + (-len(raw) % 8)) + raw + b" " * (-len(raw) % 8)
+
+
+class _Out:
+    def __init__(self, path: Path):
+        self.f = open(path, "wb")
+        self.h = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.f.write(data)
+        self.h.update(data)
+        self.size += len(data)
+        return len(data)
+
+
+def write_safetensors(path: Path, specs: list[WriteSpec]) -> tuple[int, str]:
+    """Write tensors sorted by name, streaming their chunks; return (size, sha256)."""
+    return write_safetensors_lockstep([path], [specs])[0]
+
+
+def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) -> list[tuple[int, str]]:
+    """Write several files with the same tensor names (one per rank), tensor by tensor.
+
+    The ranks' chunks of one tensor are written in turn, so that slices of one source tensor
+    are produced while it is still in the reader's cache: each source tensor is read once.
+    """
+    specs = [sorted(s, key=lambda x: x.name) for s in specs]
+    names = [x.name for x in specs[0]]
+    assert all([x.name for x in s] == names for s in specs), "ranks must hold the same tensor names"
+    outs = [_Out(p) for p in paths]
+    try:
+        for out, s in zip(outs, specs, strict=True):
+            out.write(_header(s))
+        for i in range(len(names)):
+            _write_tensor_lockstep(outs, [s[i] for s in specs])
+    finally:
+        for out in outs:
+            out.f.close()
+    return [(out.size, out.h.hexdigest()) for out in outs]
+
+
+def _write_tensor_lockstep(outs: list[_Out], specs: list[WriteSpec]) -> None:
+    iters = [iter(s.chunks) for s in specs]
+    written = [0] * len(specs)
+    live = set(range(len(specs)))
+    while live:
+        for r in sorted(live):
+            chunk = next(iters[r], None)
+            if chunk is None:
+                live.discard(r)
+                continue
+            if chunk.dtype != specs[r].dtype:
+                raise AssertionError(f"{specs[r].name}: chunk dtype {chunk.dtype} != {specs[r].dtype}")
+            written[r] += outs[r].write(_bytes_view(chunk))
+    for s, n in zip(specs, written, strict=True):
+        if n != s.nbytes:
+            raise AssertionError(f"{s.name}: wrote {n} bytes, expected {s.nbytes}")
+
+
+def iter_rows(t: torch.Tensor, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+    """Split a tensor along dim 0 into pieces of at most ~max_bytes (for streaming writes)."""
+    if t.dim() == 0 or t.nbytes <= max_bytes:
+        yield t
+        return
+    rows = max(1, max_bytes // max(1, t[0].nbytes))
+    yield from t.split(rows)

@@ -1,0 +1,49 @@
+"""Human-readable summary of an artifact's manifest (`mlac inspect`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from mlac.artifact import Manifest
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def describe(m: Manifest) -> str:
+    cfg = m.model
+    routing = "dense"
+    if cfg.n_routed_experts:
+        routing = (f"{cfg.n_routed_experts} experts, top-{cfg.num_experts_per_tok}, {cfg.topk_method}/{cfg.scoring_func}, "
+                   f"{cfg.n_shared_experts} shared")  # fmt: skip
+    lines = [
+        f"model         {cfg.model_type}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}",
+        f"attention     MLA q_lora={cfg.q_lora_rank} kv_lora={cfg.kv_lora_rank} nope={cfg.qk_nope_head_dim} "
+        f"rope={cfg.qk_rope_head_dim} v={cfg.v_head_dim}" + (f", YaRN x{cfg.rope_scaling.factor:g}" if cfg.rope_scaling else ""),
+        f"moe           {routing}",
+        f"source        {m.source.files} file(s), {_gb(m.source.bytes)}, dtypes {', '.join(m.source.dtypes)}"
+        + (f", MTP layers {m.source.mtp_layers} left out" if m.source.mtp_layers else ""),
+        f"passes        {' -> '.join(p.name for p in m.passes)}",
+        f"plan          tp={m.plan.tp} ep={m.plan.ep} target={m.target}",
+        f"quantization  {m.quantization.scheme}"
+        + (f" ({m.quantization.fmt}, {m.quantization.block[0]}x{m.quantization.block[1]} blocks, "
+           f"{m.quantization.tensors} tensors{', source blocks kept' if m.quantization.kept_source_blocks else ''})"
+           if m.quantization.scheme != "none" else ""),
+        f"kv cache      {m.options.kv_cache_dtype}",
+        f"versions      mlac {m.mlac_version}, torch {m.torch_version}, triton {m.triton_version}",
+    ]  # fmt: skip
+    sizes: dict[str, int] = defaultdict(int)
+    for f in m.files:
+        sizes[f.path.split("/")[0]] += f.size
+    for part, size in sorted(sizes.items()):
+        lines.append(f"size          {part}: {_gb(size)}")
+    lines.append(f"size          total: {_gb(sum(sizes.values()))} in {len(m.files)} files")
+    a = m.accuracy
+    if a.status == "measured":
+        lines.append(f"accuracy      vs {a.reference}, {a.probes}x{a.tokens_per_probe} tokens: rel_l2={a.rel_l2:.3e} "
+                     f"max_abs={a.max_abs:.3e} top1={a.top1_agreement:.4f}")  # fmt: skip
+    else:
+        lines.append(f"accuracy      skipped: {a.reason}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,43 @@
+"""Shared fixtures: synthetic checkpoints and compiled artifacts, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(preset) -> path of a synthetic HF checkpoint (seed 0), cached for the session."""
+    from mlac.synth import synthesize
+
+    made: dict[str, Path] = {}
+
+    def get(preset: str) -> Path:
+        if preset not in made:
+            made[preset] = synthesize(tmp_path_factory.mktemp("ckpt") / preset, preset=preset, seed=0)
+        return made[preset]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def artifact(tmp_path_factory, checkpoint):
+    """artifact(preset, fp8=False) -> path of the compiled artifact, cached for the session."""
+    from mlac.artifact import CompileOptions
+    from mlac.compiler.pipeline import compile_checkpoint
+
+    made: dict[tuple[str, bool], Path] = {}
+
+    def get(preset: str, fp8: bool = False) -> Path:
+        key = (preset, fp8)
+        if key not in made:
+            out = tmp_path_factory.mktemp("artifact") / f"{preset}{'-fp8' if fp8 else ''}"
+            compile_checkpoint(checkpoint(preset), out, CompileOptions(fp8=fp8))
+            made[key] = out
+        return made[key]
+
+    return get
