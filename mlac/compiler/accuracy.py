@@ -1,0 +1,86 @@
+"""Accuracy report: the compiled artifact against the unquantized source, on probe sequences.
+
+Both sides run through mlac's CPU runtime in float32 (the runtime itself is checked against
+transformers by the test suite): the reference is the same checkpoint compiled in memory
+without FP8 (an FP8 source dequantized), the candidate is the artifact just written. The error
+is what the artifact's options (FP8 weights and W8A8 activations) cost.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mlac.artifact import AccuracyReport, CompileOptions, Manifest
+from mlac.compiler.reader import Checkpoint
+
+PROBES = 4
+PROBE_TOKENS = 32
+PROBE_SEED = 1234
+MEMORY_FRACTION = 0.6  # of available RAM that the check may use
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def needed_memory(ckpt: Checkpoint) -> int:
+    """Two float32 copies of the model (reference and artifact) plus headroom."""
+    params = sum(info.nbytes // info.dtype.itemsize for info in ckpt.where.values())
+    return int(2 * 4 * params * 1.2)
+
+
+def probe_tokens(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    return [torch.randint(0, vocab, (PROBE_TOKENS,), generator=g).tolist() for _ in range(PROBES)]
+
+
+def measure_accuracy(ckpt: Checkpoint, options: CompileOptions, root: Path, manifest: Manifest, log) -> AccuracyReport:
+    if not options.accuracy_check:
+        return AccuracyReport(status="skipped", reason="--skip-accuracy-check")
+    need, have = needed_memory(ckpt), available_memory()
+    if need > MEMORY_FRACTION * have:
+        reason = f"the model does not fit this machine for the check (needs ~{need / 1e9:.1f} GB, {have / 1e9:.1f} GB available)"
+        log(f"accuracy: skipped: {reason}")
+        return AccuracyReport(status="skipped", reason=reason)
+    if manifest.plan.world_size > 1:
+        return AccuracyReport(status="skipped", reason="multi-rank artifact: compare it with a 1-rank artifact at run time")
+    from mlac.compiler.pipeline import compile_tensors
+    from mlac.runtime.engine import Engine
+
+    log(f"accuracy: {PROBES} probes of {PROBE_TOKENS} tokens, artifact vs unquantized source (float32, CPU)")
+    (root / "manifest.json").write_text(manifest.to_json())  # provisional; replaced at commit
+    cfg = ckpt.config
+    blocks = PROBES * (PROBE_TOKENS // 16 + 2)
+    candidate = Engine.from_artifact(root, dtype=torch.float32, verify=False, num_blocks=blocks)
+    ref_tensors = compile_tensors(ckpt, CompileOptions())[0]
+    reference = Engine.from_tensors(cfg, ref_tensors, dtype=torch.float32, num_blocks=blocks)
+    del ref_tensors
+    got, want = [], []
+    for ids in probe_tokens(cfg.vocab_size):
+        got.append(candidate.score(ids))
+        want.append(reference.score(ids))
+    return compare_logits(torch.cat(got), torch.cat(want), reference="source compiled without fp8 (float32)")
+
+
+def compare_logits(got: torch.Tensor, want: torch.Tensor, reference: str) -> AccuracyReport:
+    """Logits [N, V] of the artifact against the reference."""
+    got, want = got.double(), want.double()
+    return AccuracyReport(
+        status="measured",
+        reference=reference,
+        probes=PROBES,
+        tokens_per_probe=PROBE_TOKENS,
+        rel_l2=float((got - want).norm() / want.norm()),
+        max_abs=float((got - want).abs().max()),
+        top1_agreement=float((got.argmax(-1) == want.argmax(-1)).double().mean()),
+    )
