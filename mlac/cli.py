@@ -129,7 +129,7 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 
     Presets: tiny-v2-lite, tiny-v2, tiny-v3 (FP8, as DeepSeek-V3 is released), v2-lite (real shape, ~31 GB).
     """
-    from mlac.synth import PRESETS, synthesize
+    from mlac.synth import PRESETS, synthesize, weight_bytes
 
     if config_path is not None:
         if out_dir is None and preset is not None:
@@ -138,7 +138,8 @@ def synth(preset, out_dir, config_path, seed, num_layers):
             raise MlacError("give either a PRESET or --from-config, not both")
     if out_dir is None:
         raise MlacError(f"missing OUT_DIR (usage: mlac synth PRESET OUT_DIR; presets: {', '.join(PRESETS)})")
-    with _progress(0, "writing") as bar:
+    total = weight_bytes(preset=preset, config_path=config_path, num_layers=num_layers)
+    with _progress(total, "writing") as bar:
         path = synthesize(out_dir, preset=preset, config_path=config_path, seed=seed, num_layers=num_layers,
                           progress=bar.update)  # fmt: skip
     click.echo(f"wrote {path}")
