@@ -56,7 +56,7 @@ def test_manifest_records_files_tensors_and_source(artifact, checkpoint):
 def test_verify_and_inspect(artifact, tmp_path):
     root = artifact("tiny-v2")
     r = invoke("verify", root)
-    assert r.exit_code == 0 and r.output.startswith("ok:"), r.output
+    assert r.exit_code == 0 and r.stdout.startswith("ok:"), r.output
     r = invoke("inspect", root)
     assert r.exit_code == 0, r.output
     for needle in ("deepseek_v2", "group_limited_greedy", "passes", "rank-00000-of-00001", "accuracy"):

@@ -20,7 +20,7 @@ from mlac.artifact import TOKENIZER_DIR, CompileOptions, Manifest, ParallelPlan,
 from mlac.compiler.lazy import LazyTensor
 from mlac.compiler.reader import Checkpoint, read_globals, read_layer
 from mlac.compiler.writer import ArtifactWriter
-from mlac.config import FP8_BLOCK
+from mlac.config import FP8_BLOCK, ModelConfig
 from mlac.passes import PassContext, absorb, fp8, fuse, rope, shard
 
 LAYER_PASSES = (rope, fuse, absorb)  # then shard (one layer -> one dict per rank), then fp8 per rank
@@ -30,8 +30,9 @@ GLOBAL_FILES = {"embed.safetensors": ("embed",), "head.safetensors": ("norm", "h
 Log = Callable[[str], None]
 
 
-def check_options(ckpt: Checkpoint, options: CompileOptions) -> None:
-    shard.check(ckpt.config, options)
+def check_options(config: ModelConfig, options: CompileOptions) -> None:
+    """Everything about the options that can be refused from the config alone (no tensor read)."""
+    shard.check(config, options)
 
 
 def tensor_groups(
@@ -68,7 +69,7 @@ def compile_tensors(
     """The compiled tensors of every rank, in memory (for small models and references)."""
     ckpt = model_dir if isinstance(model_dir, Checkpoint) else Checkpoint(model_dir)
     options = options or CompileOptions()
-    check_options(ckpt, options)
+    check_options(ckpt.config, options)
     ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(options.tp)]
     for _, group in tensor_groups(ckpt, options):
         for r, tensors in enumerate(group):
@@ -86,8 +87,10 @@ def compile_checkpoint(
 ) -> Manifest:
     """Compile a HF DeepSeek checkpoint into an artifact at out_dir (atomically)."""
     options = options or CompileOptions()
+    if not isinstance(model_dir, Checkpoint):
+        check_options(ModelConfig.from_dir(model_dir), options)
     ckpt = model_dir if isinstance(model_dir, Checkpoint) else Checkpoint(model_dir)
-    check_options(ckpt, options)
+    check_options(ckpt.config, options)
     cfg = ckpt.config
     log(f"source: {cfg.model_type}, {cfg.num_hidden_layers} layers, {ckpt.total_bytes / 1e9:.2f} GB in {len(ckpt.files)} file(s)")
     if ckpt.mtp_layers:
