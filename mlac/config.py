@@ -200,8 +200,9 @@ def _translate(raw: dict[str, Any], source: str) -> dict[str, Any]:
         "scoring_func": scoring,
         "n_group": n_group,
         "topk_group": topk_group,
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
-        "routed_scaling_factor": raw.get("routed_scaling_factor", 1.0),
+        # defaults as transformers' DeepseekV2Config / DeepseekV3Config (real configs set both)
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", v3)),
+        "routed_scaling_factor": raw.get("routed_scaling_factor", 2.5 if v3 else 1.0),
         "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
         "rope_theta": raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         "rope_scaling": _rope_scaling(raw, source),

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+# Tiny models on a small shared machine: one intra-op thread avoids OpenMP contention that makes
+# small ops ~100x slower. Set before torch is imported (pytest imports conftest first).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from pathlib import Path  # noqa: E402
 
 import pytest
 

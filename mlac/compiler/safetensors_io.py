@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import queue
 import struct
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20
+QUEUE_CHUNKS = 4  # chunks (each <= 64 MiB, see iter_rows) waiting to be hashed and written
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -152,16 +155,40 @@ def _header(specs: list[WriteSpec]) -> bytes:
 
 
 class _Out:
+    """A file written and hashed on a background thread, so that both overlap the producer's
+    work (hashlib and file writes release the GIL). At most QUEUE_CHUNKS chunks are in flight."""
+
     def __init__(self, path: Path):
         self.f = open(path, "wb")
         self.h = hashlib.sha256()
         self.size = 0
+        self.error: BaseException | None = None
+        self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_CHUNKS)
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
 
-    def write(self, data) -> int:
-        self.f.write(data)
-        self.h.update(data)
+    def _drain(self) -> None:
+        while (data := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.f.write(data)
+                    self.h.update(data)
+                except BaseException as e:  # noqa: BLE001 - re-raised by close()
+                    self.error = e
+
+    def write(self, data: memoryview) -> int:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(data)  # the memoryview keeps its tensor alive until written
         self.size += len(data)
         return len(data)
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self.f.close()
+        if self.error is not None:
+            raise MlacError(f"{self.f.name}: write failed ({self.error})")
 
 
 def write_safetensors(path: Path, specs: list[WriteSpec]) -> tuple[int, str]:
@@ -181,12 +208,12 @@ def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) 
     outs = [_Out(p) for p in paths]
     try:
         for out, s in zip(outs, specs, strict=True):
-            out.write(_header(s))
+            out.write(memoryview(_header(s)))
         for i in range(len(names)):
             _write_tensor_lockstep(outs, [s[i] for s in specs])
     finally:
         for out in outs:
-            out.f.close()
+            out.close()
     return [(out.size, out.h.hexdigest()) for out in outs]
 
 

@@ -11,6 +11,9 @@ its size) so that writing `x.scale` after `x` does not quantize twice.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 from mlac.compiler.lazy import LazyTensor, concat_rows, stack
@@ -24,7 +27,8 @@ QUANTIZED = (
     "attn.w_qkv_a", "attn.wq", "attn.w_kv_a", "attn.wq_b", "attn.wo",
     "mlp.w13", "mlp.w2", "moe.w13", "moe.w2", "moe.shared.w13", "moe.shared.w2",
 )  # fmt: skip
-ROWS_PER_STEP = 8 * FP8_BLOCK  # bounds the float32 temporaries of one quantization step
+ROWS_PER_STEP = 16 * FP8_BLOCK  # bounds the float32 temporaries of one quantization step
+COMPILE_MIN_ELEMENTS = 1 << 22  # below this, eager is faster than a first compile
 
 
 def params(ctx: PassContext) -> dict:
@@ -32,24 +36,46 @@ def params(ctx: PassContext) -> dict:
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (e4m3 [N, K], float32 scales [ceil(N/128), ceil(K/128)])."""
-    n, k = w.shape
-    qs, ss = [], []
-    for strip in w.split(ROWS_PER_STEP):
-        q, s = _quantize_strip(strip)
-        qs.append(q)
-        ss.append(s)
-    return torch.cat(qs) if len(qs) > 1 else qs[0], torch.cat(ss) if len(ss) > 1 else ss[0]
+    """w [N, K] float -> (e4m3 [N, K], float32 scales [ceil(N/128), ceil(K/128)]).
 
-
-def _quantize_strip(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = amax(block) / 448; q = clamp(w / scale) in e4m3 (multiplying by 1/scale).
+    """
     n, k = w.shape
     rb, cb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    padded = torch.nn.functional.pad(w.to(torch.float32), (0, cb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - n))
-    blocks = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [rb, cb]
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(rb * FP8_BLOCK, cb * FP8_BLOCK)[:n, :k].contiguous(), scale
+    aligned = n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0
+    src = w if aligned else torch.nn.functional.pad(w, (0, cb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - n))
+    blocks = src.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
+    step = max(1, ROWS_PER_STEP // FP8_BLOCK)  # block rows per step: bounds float32 temporaries
+    q = torch.empty(rb, FP8_BLOCK, cb, FP8_BLOCK, dtype=FP8)
+    scale = torch.empty(rb, cb, dtype=torch.float32)
+    kernel = _compiled_kernel() if w.numel() >= COMPILE_MIN_ELEMENTS else _quantize_kernel
+    for r in range(0, rb, step):
+        q[r : r + step], scale[r : r + step] = kernel(blocks[r : r + step])
+    q = q.view(rb * FP8_BLOCK, cb * FP8_BLOCK)
+    return (q if aligned else q[:n, :k].contiguous()), scale
+
+
+def _quantize_kernel(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [rb, 128, cb, 128] -> (e4m3 blocks, float32 scales [rb, cb])."""
+    amax = blocks.abs().amax(dim=(1, 3)).float()
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    y = (blocks.float() * (1.0 / scale)[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    return y.to(FP8), scale
+
+
+@functools.cache
+def _compiled_kernel():
+    """The same function fused by Inductor into two loops over the data (~3x faster on CPU);
+    the eager kernel when no C++ compiler is available."""
+    compiled = torch.compile(_quantize_kernel, dynamic=True)
+    probe = torch.randn(1, FP8_BLOCK, 2, FP8_BLOCK, dtype=torch.bfloat16)
+    try:
+        got, want = compiled(probe), _quantize_kernel(probe)
+    except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
+        warnings.warn(f"fp8: torch.compile unavailable ({type(e).__name__}); quantizing in eager mode", stacklevel=2)
+        return _quantize_kernel
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    return compiled
 
 
 def run(tensors: dict[str, LazyTensor], ctx: PassContext) -> dict[str, LazyTensor]:

@@ -1,0 +1,147 @@
+"""Building blocks of the model: tensors handed out by name, Linear, RMSNorm and YaRN rope.
+
+Every module is built from the loaded tensors of one rank (`Weights`), under the names of the
+tensor contract (artifacts/README.md). Nothing here transforms a weight: the compiler did that.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlac.config import ModelConfig, yarn_mscale
+from mlac.errors import MlacError
+from mlac.kernels.fp8_gemm import FP8, fp8_linear
+
+
+class Weights:
+    """The tensors of one rank, handed out by name exactly once.
+
+    `take` fails on a missing tensor; `finish` fails on any tensor nobody took, so a model and
+    an artifact that disagree about the tensor set are refused at construction, not at run time.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], source: str = "artifact"):
+        self._tensors = dict(tensors)
+        self._source = source
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            raise MlacError(f"{self._source}: tensor {name!r} is missing (the model needs it)")
+        return self._tensors.pop(name)
+
+    def take_optional(self, name: str) -> torch.Tensor | None:
+        return self._tensors.pop(name, None)
+
+    def finish(self) -> None:
+        if self._tensors:
+            names = ", ".join(sorted(self._tensors)[:5])
+            raise MlacError(f"{self._source}: {len(self._tensors)} tensor(s) the model does not use: {names}")
+
+
+def take_weight(weights: Weights, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear weight and its block scale: (FP8 weight, float32 scale) or (weight, None)."""
+    w = weights.take(name)
+    scale = weights.take_optional(f"{name}.scale")
+    if (scale is not None) != (w.dtype == FP8):
+        what = "has a .scale but is not FP8" if scale is not None else "is FP8 but has no .scale"
+        raise MlacError(f"tensor {name!r} {what} (dtype {w.dtype})")
+    return w, scale
+
+
+class Linear(nn.Module):
+    """y = x @ W.T, dispatching on the stored format of W.
+
+    An FP8 (e4m3) weight carries `<name>.scale` (float32 128x128 block scales) and runs through
+    the block-FP8 GEMM; any other weight runs through F.linear in the activation dtype.
+    """
+
+    def __init__(self, weights: Weights, name: str):
+        super().__init__()
+        weight, scale = take_weight(weights, name)
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.scale is not None:
+            return fp8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) computed in float32, cast back, then times the weight (as transformers does)."""
+
+    def __init__(self, weights: Weights, name: str, eps: float):
+        super().__init__()
+        self.register_buffer("weight", weights.take(name), persistent=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# ---- rope --------------------------------------------------------------------------------------
+
+
+def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rope/2] float32, attention_factor) over dim = qk_rope_head_dim.
+
+    Plain rope without rope_scaling; with YaRN, exactly transformers' `_compute_yarn_parameters`
+    (truncated correction range; the attention factor scales cos and sin).
+    """
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    rs = config.rope_scaling
+    if rs is None:
+        return 1.0 / pos_freqs, 1.0
+    factor = rs.factor
+    if rs.mscale and rs.mscale_all_dim:
+        attention_factor = yarn_mscale(factor, rs.mscale) / yarn_mscale(factor, rs.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor, 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        orig = rs.original_max_position_embeddings
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rs.beta_fast or 32)), 0)
+    high = min(math.ceil(correction_dim(rs.beta_slow or 1)), dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rope over the (de-interleaved) rope dims, cos/sin computed from positions."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
+        super().__init__()
+        inv_freq, self.attention_factor = rope_parameters(config)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, rope] float32 (cat(θ, θ) layout, attention factor applied)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, rope/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., rope]; cos/sin [T, rope] float32. Computed in float32, returned in x's dtype."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    xf = x.to(torch.float32)
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

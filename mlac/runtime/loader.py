@@ -1,0 +1,109 @@
+"""Strict artifact loading: verify files, then load one rank's tensors exactly as the manifest says.
+
+The only conversion at load time: non-FP8 floating tensors are cast to the compute dtype.
+FP8 weights stay FP8; their block scales and the router's correction bias stay float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mlac.artifact import Manifest, TensorEntry, check_inside, verify_files
+from mlac.errors import MlacError
+
+KEEP_FLOAT32 = (".scale", ".gate_bias")  # tensor contract: float32 whatever the compute dtype
+
+
+@dataclass(frozen=True)
+class LoadedRank:
+    manifest: Manifest
+    rank: int
+    tensors: dict[str, torch.Tensor]
+
+
+def check_files(root: Path, manifest: Manifest, verify: bool = True) -> None:
+    """Every manifest file exists with its size; with `verify`, its sha256 too (the tamper check)."""
+    if verify:
+        verify_files(root, manifest)
+        return
+    for entry in manifest.files:
+        path = root / entry.path
+        if not path.is_file():
+            raise MlacError(f"{entry.path}: missing from the artifact")
+        if path.stat().st_size != entry.size:
+            raise MlacError(
+                f"{entry.path}: size {path.stat().st_size} does not match the manifest ({entry.size})"
+            )
+
+
+def load_artifact(
+    path: str | Path,
+    rank: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    verify: bool = True,
+) -> LoadedRank:
+    """Load rank `rank` of the artifact at `path`; raise MlacError on any mismatch with the manifest."""
+    root = Path(path)
+    manifest = Manifest.load(root)
+    if not 0 <= rank < len(manifest.tensors):
+        raise MlacError(
+            f"{root}: rank {rank} out of range (the artifact has {len(manifest.tensors)} rank(s))"
+        )
+    check_files(root, manifest, verify)
+    expected = manifest.tensors[rank]
+    by_file: dict[str, dict[str, TensorEntry]] = {}
+    for name, entry in expected.items():
+        by_file.setdefault(entry.file, {})[name] = entry
+    _check_rank_files(root, manifest, rank, by_file)
+    tensors: dict[str, torch.Tensor] = {}
+    for rel, entries in sorted(by_file.items()):
+        tensors.update(_load_file(root / rel, rel, entries, device, dtype))
+    return LoadedRank(manifest, rank, tensors)
+
+
+def _check_rank_files(root: Path, manifest: Manifest, rank: int, by_file: dict[str, dict]) -> None:
+    """Tensor files must be hashed in the manifest; the rank folder must hold no other tensor file."""
+    hashed = {entry.path for entry in manifest.files}
+    for rel in by_file:
+        check_inside(rel, root / "manifest.json")
+        if rel not in hashed:
+            raise MlacError(f"{rel}: holds tensors but is not listed (hashed) in the manifest's files")
+    rank_dir = root / manifest.rank_dir(rank)
+    for p in sorted(rank_dir.glob("*.safetensors")) if rank_dir.is_dir() else []:
+        rel = p.relative_to(root).as_posix()
+        if rel not in by_file:
+            raise MlacError(f"{rel}: extra tensor file not named by the manifest; refusing to load")
+
+
+def _load_file(
+    path: Path, rel: str, entries: dict[str, TensorEntry], device: torch.device | str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    out = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:  # mmap: pages come in on use
+        names = set(f.keys())
+        for name in sorted(names - entries.keys()):
+            raise MlacError(f"{rel}: extra tensor {name!r} not in the manifest")
+        for name in sorted(entries.keys() - names):
+            raise MlacError(f"{rel}: tensor {name!r} listed in the manifest is missing from the file")
+        for name, entry in sorted(entries.items()):
+            sl = f.get_slice(name)
+            got_dtype, got_shape = sl.get_dtype(), list(sl.get_shape())
+            if got_dtype != entry.dtype or got_shape != entry.shape:
+                raise MlacError(
+                    f"{rel}: tensor {name!r} is {got_dtype}{got_shape}, "
+                    f"the manifest says {entry.dtype}{entry.shape}"
+                )
+            out[name] = to_compute_dtype(name, f.get_tensor(name), dtype).to(device)
+    return out
+
+
+def to_compute_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The one load-time conversion: non-FP8 floating tensors (but scales and gate_bias) -> dtype."""
+    if not t.is_floating_point() or t.element_size() == 1 or name.endswith(KEEP_FLOAT32):
+        return t
+    return t.to(dtype)

@@ -1,0 +1,126 @@
+"""The artifact's tokenizer: `tokenizers` for the vocabulary, jinja2 (sandboxed) for chat templates.
+
+Reads artifact/tokenizer/tokenizer.json and tokenizer_config.json (bos/eos tokens, add_bos_token,
+chat_template). Prompts are encoded with bos prepended, as DeepSeek's tokenizers do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mlac.errors import MlacError
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        root = Path(path)
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            raise MlacError(f"{tok_file}: tokenizer.json not found")
+        self._tok = HFTokenizer.from_file(str(tok_file))
+        cfg_file = root / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        self.eos_token_id = self._id_of(self.eos_token)
+        self.add_bos = bool(cfg.get("add_bos_token", True)) and self.bos_token_id is not None
+        self.chat_template: str | None = cfg.get("chat_template")
+        self._template = None
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`, with bos prepended unless add_bos=False (or the tokenizer has none)."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the checkpoint's template (sandboxed jinja2, as transformers)."""
+        if self.chat_template is None:
+            raise MlacError("this artifact's tokenizer has no chat_template")
+        if self._template is None:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Chat prompt ids. Templates write bos themselves, so none is prepended here."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+
+    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing completion, emitted as it becomes stable (for streaming and stop strings).
+
+    Each step decodes a few already-emitted tokens together with the new ones, so that decoders
+    that depend on neighbours (byte-level BPE, sentencepiece spaces) come out right, and holds
+    text back while it ends in an incomplete UTF-8 character ("\\ufffd").
+    """
+
+    CONTEXT = 6  # emitted tokens decoded again as context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
+        self._tok = tokenizer
+        self._context = list(prompt_ids)[-self.CONTEXT :]  # emitted tokens
+        self._pending: list[int] = []  # tokens whose text is not emitted yet
+        self.text = ""  # all text emitted so far
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the new text it completes (possibly "")."""
+        self._pending.append(token_id)
+        before = self._tok.decode(self._context)
+        after = self._tok.decode(self._context + self._pending)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        new = after[len(before) :]
+        self._context = (self._context + self._pending)[-self.CONTEXT :]
+        self._pending = []
+        self.text += new
+        return new
+
+    def flush(self) -> str:
+        """Emit what is still held back (the completion has ended), incomplete characters included."""
+        if not self._pending:
+            return ""
+        before = self._tok.decode(self._context)
+        new = self._tok.decode(self._context + self._pending)[len(before) :]
+        self._context, self._pending = (self._context + self._pending)[-self.CONTEXT :], []
+        self.text += new
+        return new
