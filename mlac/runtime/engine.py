@@ -24,7 +24,7 @@ from mlac.runtime.kv_cache import ForwardBatch
 from mlac.runtime.layers import Weights
 from mlac.runtime.loader import to_compute_dtype
 from mlac.runtime.model import DeepseekModel
-from mlac.runtime.runner import ModelRunner, make_cache, make_runner
+from mlac.runtime.runner import LaunchSpec, ModelRunner, make_cache, make_runner
 from mlac.runtime.sampling import SamplingParams, make_generator, sample
 from mlac.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -85,12 +85,14 @@ class Engine:
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         block_size: int = 16,
+        launch: LaunchSpec | None = None,
     ) -> Engine:
         """Verify (sizes, and sha256 unless verify=False) and load an artifact; size the KV cache
         from `num_blocks`, else from `kv_cache_bytes` (default 1 GiB, capped at what four
-        sequences of max_position_embeddings tokens need)."""
+        sequences of max_position_embeddings tokens need). `launch` says how the ranks of a
+        multi-rank artifact find each other (see runner.make_runner)."""
         manifest = Manifest.load(path)
-        runner = make_runner(path, manifest, device, dtype, verify, num_blocks=num_blocks,
+        runner = make_runner(path, manifest, device, dtype, verify, launch=launch, num_blocks=num_blocks,
                              kv_cache_bytes=kv_cache_bytes, block_size=block_size)  # fmt: skip
         tok_dir = Path(path) / TOKENIZER_DIR
         tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None

@@ -7,6 +7,7 @@ runs it. `make_runner` is the one place that decides how an artifact's ranks are
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,12 +61,23 @@ def make_cache(
     return PagedKVCache(config, num_blocks, block_size, dtype, device)
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How the processes of a multi-rank artifact find each other (torch.distributed rendezvous)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+
 def make_runner(
     path: str | Path,
     manifest: Manifest,
     device: torch.device | str,
     dtype: torch.dtype,
     verify: bool = True,
+    launch: LaunchSpec | None = None,
     **cache_args,
 ) -> ModelRunner:
     """The runner for an artifact: its model loaded strictly, with a fresh KV cache."""
