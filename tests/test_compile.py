@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from mlac.artifact import Manifest, manifest_json_schema
@@ -98,3 +99,63 @@ def test_force_replaces_only_after_success(checkpoint, tmp_path):
     assert tree_bytes(out) != first
     assert Manifest.load(out).options.fp8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_sharded_and_single_file_sources_compile_alike(checkpoint, tmp_path):
+    from mlac.compiler.pipeline import compile_tensors
+    from mlac.synth import synthesize
+
+    sharded = synthesize(tmp_path / "sharded", preset="tiny-v3", seed=0, max_shard_bytes=2 << 20)
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    a, b = compile_tensors(sharded)[0], compile_tensors(checkpoint("tiny-v3"))[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp16_and_fp32_sources(checkpoint, tmp_path, dtype):
+    """Unquantized tensors keep the source dtype; --fp8 quantizes from it."""
+    from safetensors.torch import load_file, save_file
+
+    from mlac.runtime.engine import Engine
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint("tiny-v2"), src)
+    f = src / "model.safetensors"
+    save_file({k: v.to(dtype) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    for fp8 in (False, True):
+        out = tmp_path / f"out-{fp8}"
+        assert invoke("compile", src, out, *(["--fp8"] if fp8 else [])).exit_code == 0
+        m = Manifest.load(out)
+        assert m.source.dtypes == [str(dtype).removeprefix("torch.")]
+        assert m.tensors[0]["layers.0.attn.w_kc"].dtype == {torch.float16: "F16", torch.float32: "F32"}[dtype]
+        assert m.accuracy.status == "measured"
+        assert Engine.from_artifact(out, dtype=torch.float32).score([1, 2, 3]).isfinite().all()
+
+
+def test_accuracy_report_in_manifest(artifact, checkpoint, tmp_path):
+    plain = Manifest.load(artifact("tiny-v2")).accuracy
+    assert plain.status == "measured" and plain.rel_l2 == 0.0 and plain.top1_agreement == 1.0
+    fp8 = Manifest.load(artifact("tiny-v2", fp8=True)).accuracy
+    assert fp8.status == "measured" and 0 < fp8.rel_l2 < 1 and fp8.probes * fp8.tokens_per_probe >= 128
+    r = invoke("compile", checkpoint("tiny-v2"), tmp_path / "skip", "--skip-accuracy-check")
+    assert Manifest.load(tmp_path / "skip").accuracy.status == "skipped"
+    assert "skipped" in r.output
+
+
+def test_generate_cli_prints_a_completion(artifact):
+    r = invoke("generate", artifact("tiny-v3", fp8=True), "--prompt", "The quick brown fox", "--max-tokens", "8")
+    assert r.exit_code == 0, r.output
+    assert "8 completion tokens" in r.output or "finish: stop" in r.output
+
+
+def test_generate_refuses_a_tampered_artifact(artifact, tmp_path):
+    root = tmp_path / "art"
+    shutil.copytree(artifact("tiny-v2-lite"), root)
+    victim = root / "rank-00000-of-00001" / "head.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(bytes(data))
+    r = invoke("generate", root, "--prompt", "hi")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "head.safetensors" in last and "sha256" in last
