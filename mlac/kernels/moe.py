@@ -6,12 +6,26 @@ with block scales [E, ceil(rows/128), ceil(cols/128)]. `fused_moe` dispatches on
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from mlac.kernels.fp8_gemm import dequantize_blocks, fp8_linear_ref
+from mlac.kernels.fp8_gemm import BLOCK, FP8, FP8_MAX, dequantize_blocks, fp8_linear_ref
+from mlac.kernels.fp8_quant import (
+    HAS_TRITON,
+    act_quant,
+    cast_out,
+    interpreting,
+    jit,
+    round_bf16,
+    round_e4m3,
+    tl,
+    triton,
+)
+from mlac.kernels.fp8_quant import use_triton as _use_triton
 
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 
@@ -99,6 +113,440 @@ def fused_moe_ref(
     return out.to(x.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# Triton path. Token-expert pairs p = t * top_k + j are grouped by expert into BLOCK_M-row blocks
+# (moe_align); GEMM1 computes h[p] = silu(x[t] @ gate_e.T) * (x[t] @ up_e.T) per block, GEMM2
+# y[p] = h[p] @ w2_e.T, and a last pass sums out[t] = sum_j w[t, j] * y[p] over valid experts.
+# Roundings follow fused_moe_ref: gate, up, silu(gate), h and y are rounded to x's dtype, and with
+# FP8 weights h is re-quantized per pair per 128 channels (fused into GEMM1's epilogue).
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles of the grouped GEMMs. With FP8 weights block_k and block_n1 must be 128."""
+
+    block_m: int  # rows (pairs) per block: the per-expert padding unit
+    block_n1: int  # GEMM1 columns of each half (gate, up)
+    block_n2: int  # GEMM2 output columns
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8
+
+
+@jit
+def _moe_align_kernel(
+    ids_ptr,
+    counts_ptr,
+    rank_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    P,
+    E,
+    max_padded,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BCHUNK: tl.constexpr,
+):
+    # One program. counts_ptr [E_PAD] and rank_ptr [P] are scratch.
+    e_offs = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + e_offs, tl.zeros([E_PAD], dtype=tl.int32))
+    tl.debug_barrier()
+    for start in range(0, P, CHUNK):  # rank of each pair within its expert (any order will do)
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        valid = (ids >= 0) & (ids < E)
+        rank = tl.atomic_add(counts_ptr + tl.where(valid, ids, 0), 1, mask=valid)
+        tl.store(rank_ptr + offs, rank, mask=valid)
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + e_offs, cache_modifier=".cg")
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [E_PAD] inclusive
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    tl.debug_barrier()
+    tl.store(counts_ptr + e_offs, ends - padded)  # counts_ptr now holds each expert's first slot
+    for start in range(0, max_padded, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + P, mask=offs < max_padded)
+    for start in range(0, max_blocks, BCHUNK):
+        blk = start + tl.arange(0, BCHUNK)
+        first = blk * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)  # [BCHUNK]
+        expert = tl.where(first < total, expert, -1)
+        tl.store(block_expert_ptr + blk, expert, mask=blk < max_blocks)
+    tl.debug_barrier()
+    for start in range(0, P, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        valid = (ids >= 0) & (ids < E)
+        rank = tl.load(rank_ptr + offs, mask=valid, other=0, cache_modifier=".cg")
+        first = tl.load(counts_ptr + tl.where(valid, ids, 0), mask=valid, other=0, cache_modifier=".cg")
+        tl.store(sorted_ptr + first + rank, offs, mask=valid)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group token-expert pairs by expert, each expert padded to a multiple of block_m rows.
+
+    topk_ids [T, k] -> (sorted_pairs [max_padded] int32: pair index t * k + j, or T * k as
+    padding; block_expert [max_blocks] int32: expert of each block, -1 past the end;
+    num_padded [1] int32). Sizes depend on T, k, E and block_m only (CUDA-graph safe):
+    max_padded = T*k + min(T*k, E) * (block_m - 1). Ids outside [0, E) are left out.
+    Order inside an expert is unspecified.
+    """
+    assert HAS_TRITON, "moe_align needs triton"
+    assert topk_ids.dim() == 2 and topk_ids.is_contiguous(), topk_ids.shape
+    p = topk_ids.numel()
+    max_padded = p + min(p, num_experts) * (block_m - 1)
+    max_blocks = triton.cdiv(max_padded, block_m)
+    dev = topk_ids.device
+    e_pad = triton.next_power_of_2(num_experts)
+    counts = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    rank = torch.empty(max(p, 1), dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _moe_align_kernel[(1,)](
+        topk_ids,
+        counts,
+        rank,
+        sorted_pairs,
+        block_expert,
+        num_padded,
+        p,
+        num_experts,
+        max_padded,
+        max_blocks,
+        BLOCK_M=block_m,
+        E_PAD=e_pad,
+        CHUNK=1024,
+        BCHUNK=max(16, 8192 // e_pad),
+        num_warps=8,
+    )
+    return sorted_pairs, block_expert, num_padded
+
+
+@jit
+def _moe_gemm_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    cs_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    P,
+    N,
+    K,
+    num_blocks,
+    A_ROW_DIV,
+    stride_am,
+    stride_asm,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_bsn,
+    stride_cm,
+    stride_csm,
+    GATED: tl.constexpr,  # b rows [0, N) gate, [N, 2N) up: c = silu(gate) * up
+    FP8: tl.constexpr,  # a e4m3 + as [rows, ceil(K/128)]; b e4m3 + bs [E, ceil(rows/128), ceil(K/128)]
+    QUANT_OUT: tl.constexpr,  # c e4m3 + cs [P, ceil(N/128)] (BLOCK_N == 128)
+    ROUND_BF16: tl.constexpr,  # GATED: intermediates rounded like bf16 (else fp16)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    row_ok = pair < P
+    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    u_ptrs = b_ptrs + N * stride_bn  # up rows (GATED)
+    as_ptrs = as_ptr + a_row * stride_asm  # [BM] (FP8)
+    bs_ptrs = bs_ptr + expert * stride_bse + (offs_n // 128) * stride_bsn  # [BN] (FP8)
+    us_ptrs = bs_ptr + expert * stride_bse + ((N + offs_n) // 128) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a_mask = row_ok[:, None]
+            b_mask = n_ok[:, None]
+        else:
+            k_ok = kb * BLOCK_K + offs_k < K
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            b_mask = n_ok[:, None] & k_ok[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if UPCAST_DOT:  # interpreter only (see fp8_quant.interpreting)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8:
+            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+            b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        if GATED:
+            u = tl.load(u_ptrs, mask=b_mask, other=0.0)
+            if UPCAST_DOT:
+                u = u.to(tl.float32)
+            if FP8:
+                u_s = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
+                acc_u += tl.dot(a, tl.trans(u)) * (a_s[:, None] * u_s[None, :])
+            else:
+                acc_u = tl.dot(a, tl.trans(u), acc_u)
+            u_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    c_rows = pair.to(tl.int64)[:, None] * stride_cm
+    c_mask = row_ok[:, None] & n_ok[None, :]
+    if GATED:
+        if ROUND_BF16:
+            gate = round_bf16(acc)
+            up = round_bf16(acc_u)
+            h = round_bf16(round_bf16(gate / (1.0 + tl.exp(-gate))) * up)
+        else:
+            gate = acc.to(tl.float16).to(tl.float32)
+            up = acc_u.to(tl.float16).to(tl.float32)
+            h = ((gate / (1.0 + tl.exp(-gate))).to(tl.float16).to(tl.float32) * up).to(tl.float16)
+            h = h.to(tl.float32)
+    else:
+        h = acc
+    if QUANT_OUT:  # one 128-channel group per tile: quantize like quantize_act_ref
+        h_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12), FP8_MAX_C)  # [BM]
+        q = round_e4m3(tl.clamp(tl.math.div_rn(h, h_s[:, None]), -FP8_MAX_C, FP8_MAX_C))
+        tl.store(c_ptr + c_rows + offs_n[None, :], q.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(cs_ptr + pair.to(tl.int64) * stride_csm + pid_n, h_s, mask=row_ok)
+    else:
+        tl.store(c_ptr + c_rows + offs_n[None, :], cast_out(h, c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@jit
+def _moe_reduce_kernel(
+    y_ptr,
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    T,
+    D,
+    E,
+    stride_y,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # out[t] = sum_j w[t, j] * y[t * TOP_K + j] over the pairs whose expert is in [0, E)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
+    t_ok = t < T
+    d_ok = offs < D
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair, mask=t_ok, other=-1)
+        ok = t_ok & (e >= 0) & (e < E)
+        w = tl.where(ok, tl.load(w_ptr + pair, mask=ok, other=0.0).to(tl.float32), 0.0)
+        y_mask = ok[:, None] & d_ok[None, :]
+        y = tl.load(y_ptr + pair[:, None] * stride_y + offs[None, :], mask=y_mask, other=0.0)
+        acc += y.to(tl.float32) * w[:, None]
+    out = cast_out(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t[:, None] * stride_out + offs[None, :], out, mask=t_ok[:, None] & d_ok[None, :])
+
+
+def pick_moe_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
+    """Default tiles from the mean rows per expert: decode streams weights with 16-row blocks,
+    prefill uses larger tiles (the padding unit is block_m, so it grows with the rows)."""
+    rows = num_pairs / num_experts
+    if rows <= 24:
+        return MoeConfig(16, 128, 128, 128, num_warps=4, num_stages=4) if fp8 else MoeConfig(16, 64, 64, 128)
+    if rows <= 96:
+        return MoeConfig(32, 128 if fp8 else 64, 128, 128, num_warps=4, num_stages=3)
+    if fp8:
+        return MoeConfig(64, 128, 128, 128, num_warps=8, num_stages=3)
+    if rows < 128:
+        return MoeConfig(64, 128, 128, 64, num_warps=8, num_stages=3)
+    return MoeConfig(128, 128, 128, 64, num_warps=8, num_stages=3)
+
+
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
+    t, d = x.shape
+    e, two_i, d1 = w13.shape
+    i = two_i // 2
+    assert d1 == d and two_i == 2 * i, f"w13 {tuple(w13.shape)} vs x [*, {d}]"
+    assert tuple(w2.shape) == (e, d, i), f"w2 {tuple(w2.shape)}, expected {(e, d, i)}"
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t, (topk_ids.shape, t)
+    assert not topk_ids.is_floating_point(), topk_ids.dtype
+    assert x.dtype in (torch.bfloat16, torch.float16), f"Triton MoE takes bf16/fp16 x, got {x.dtype}"
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights need contiguous rows"
+    if w13_scale is None:
+        assert w2_scale is None and w13.dtype == w2.dtype == x.dtype, (w13.dtype, w2.dtype, x.dtype)
+        return
+    assert w2_scale is not None and w13.dtype == w2.dtype == FP8, (w13.dtype, w2.dtype)
+    assert w13_scale.dtype == w2_scale.dtype == torch.float32
+    assert tuple(w13_scale.shape) == (e, math.ceil(two_i / BLOCK), math.ceil(d / BLOCK)), w13_scale.shape
+    assert tuple(w2_scale.shape) == (e, math.ceil(d / BLOCK), math.ceil(i / BLOCK)), w2_scale.shape
+    assert w13_scale.stride(-1) == 1 and w2_scale.stride(-1) == 1
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Triton fused MoE; contract as `fused_moe_ref` (x bf16/fp16; weights in x's dtype or e4m3).
+
+    Launches: [act_quant], moe_align, GEMM1 (+SiLU*up, +FP8 re-quant), GEMM2, top-k reduce.
+    """
+    _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    t, d = x.shape
+    e, two_i, _ = w13.shape
+    i = two_i // 2
+    top_k = topk_ids.shape[1]
+    p = t * top_k
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if p == 0:
+        return out.zero_()
+    fp8 = w13_scale is not None
+    cfg = config or pick_moe_config(p, e, fp8)
+    if fp8:
+        assert cfg.block_k == cfg.block_n1 == BLOCK, f"FP8 MoE needs 128-wide K and GEMM1 tiles: {cfg}"
+    topk_ids = topk_ids.contiguous()
+    sorted_pairs, block_expert, num_padded = moe_align(topk_ids, e, cfg.block_m)
+    num_blocks = block_expert.numel()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if fp8:
+        a, a_s = act_quant(x)
+        h = torch.empty(p, i, dtype=FP8, device=x.device)
+        h_s = torch.empty(p, triton.cdiv(i, BLOCK), dtype=torch.float32, device=x.device)
+        s13, s2 = w13_scale, w2_scale
+    else:
+        a = a_s = x
+        h = torch.empty(p, i, dtype=x.dtype, device=x.device)
+        h_s = s13 = s2 = h  # unused
+    common = dict(
+        FP8=fp8,
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        FP8_MAX_C=FP8_MAX,
+        UPCAST_DOT=not fp8 and interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _moe_gemm_kernel[(num_blocks * triton.cdiv(i, cfg.block_n1),)](
+        a,
+        a_s,
+        w13,
+        s13,
+        h,
+        h_s,
+        sorted_pairs,
+        block_expert,
+        num_padded,
+        p,
+        i,
+        d,
+        num_blocks,
+        top_k,
+        a.stride(0),
+        a_s.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        h.stride(0),
+        h_s.stride(0),
+        GATED=True,
+        QUANT_OUT=fp8,
+        ROUND_BF16=x.dtype == torch.bfloat16,
+        BLOCK_N=cfg.block_n1,
+        EVEN_K=d % cfg.block_k == 0,
+        **common,
+    )
+    y = torch.empty(p, d, dtype=x.dtype, device=x.device)
+    _moe_gemm_kernel[(num_blocks * triton.cdiv(d, cfg.block_n2),)](
+        h,
+        h_s,
+        w2,
+        s2,
+        y,
+        y,
+        sorted_pairs,
+        block_expert,
+        num_padded,
+        p,
+        d,
+        i,
+        num_blocks,
+        1,
+        h.stride(0),
+        h_s.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        y.stride(0),
+        0,
+        GATED=False,
+        QUANT_OUT=False,
+        ROUND_BF16=True,
+        BLOCK_N=cfg.block_n2,
+        EVEN_K=i % cfg.block_k == 0,
+        **common,
+    )
+    block_d = min(1024, triton.next_power_of_2(d))
+    block_t = min(max(1, 4096 // block_d), triton.next_power_of_2(t))
+    _moe_reduce_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block_d))](
+        y,
+        topk_weights.contiguous(),
+        topk_ids,
+        out,
+        t,
+        d,
+        e,
+        y.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -107,9 +555,32 @@ def fused_moe(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    *,
+    use_triton: bool | None = None,
+    config: MoeConfig | None = None,
 ) -> torch.Tensor:
-    """Dispatching entry point (Triton on CUDA, reference on CPU); contract as fused_moe_ref."""
+    """Dispatching entry point (Triton on CUDA, reference on CPU); contract as fused_moe_ref.
+
+    The Triton path takes bf16/fp16 x with weights in x's dtype or e4m3 + scales; other dtype
+    mixes (float32 x, say) run the reference on any device. `use_triton` forces the choice.
+    """
+    triton_ok = x.dtype in (torch.bfloat16, torch.float16) and (
+        w13.dtype == FP8 if w13_scale is not None else w13.dtype == x.dtype
+    )
+    if use_triton and not triton_ok:
+        raise ValueError(f"no Triton MoE for x {x.dtype} with weights {w13.dtype}")
+    if triton_ok and _use_triton(x, use_triton):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
-__all__ = ["route_ref", "fused_moe_ref", "fused_moe", "dequantize_blocks"]
+__all__ = [
+    "MoeConfig",
+    "dequantize_blocks",
+    "fused_moe",
+    "fused_moe_ref",
+    "fused_moe_triton",
+    "moe_align",
+    "pick_moe_config",
+    "route_ref",
+]

@@ -1,0 +1,164 @@
+"""Per-token, per-128-channel e4m3 activation quantization (Triton), and the Triton import guard.
+
+The reference is `mlac.kernels.fp8_gemm.quantize_act_ref`; this kernel matches it bit for bit
+(same float32 amax, IEEE division, round-to-nearest-even e4m3 conversion).
+
+Triton is optional: a CPU-only install imports every kernel module, defines nothing it cannot,
+and runs the pure-torch references. `use_triton(...)` is the one dispatch rule of the family.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU runtime: the kernels below are plain functions that are never launched
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+GROUP = 128
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def jit(fn):
+    """`triton.jit` when Triton is installed, else the function unchanged (never launched)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+def use_triton(x: torch.Tensor, requested: bool | None = None) -> bool:
+    """Dispatch rule: Triton on CUDA tensors; on CPU only when asked (TRITON_INTERPRET=1 tests).
+
+    `requested` True forces Triton (an error without it), False forces the reference, None picks
+    by device. The environment variable MLAC_FORCE_TRITON=1 acts as `requested=True` on CPU.
+    """
+    if requested is None:
+        requested = x.is_cuda or os.environ.get("MLAC_FORCE_TRITON") == "1"
+    if requested and not HAS_TRITON:
+        raise RuntimeError("the Triton path was requested but triton is not installed")
+    return requested
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter, whose bf16 `tl.dot` multiplies the raw uint16 bits:
+    kernels then upcast bf16 dot operands to float32 (a constexpr; GPU code is unchanged)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@jit
+def round_e4m3(v):
+    """Round float32 `v` (|v| <= 448) to the nearest e4m3 value, ties to even, in float32.
+
+    The hardware conversion already rounds this way; doing it first makes `.to(float8e4nv)` exact
+    everywhere, including Triton's CPU interpreter, whose own float8 rounding is wrong
+    (ties away, and no carry into the exponent).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    exp = tl.maximum((bits >> 23) & 0xFF, 121)  # below 2^-6: subnormal grid
+    ulp = ((exp - 3) << 23).to(tl.float32, bitcast=True)  # e4m3 spacing: 2^(e - 127 - 3)
+    inv_ulp = ((257 - exp) << 23).to(tl.float32, bitcast=True)
+    y = tl.abs(v) * inv_ulp  # exact: power-of-two scaling, 0 <= y < 16
+    r = ((y + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2^23: rounds to an integer, ties to even
+    # copy the sign bit (tiny negatives round to -0.0; a float negation compiles to 0 - r: +0.0)
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@jit
+def round_bf16(v):
+    """Round float32 `v` to the nearest bfloat16 value (ties to even), kept in float32.
+
+    Emulates a store to bf16 and reload (the references round there); exact in the interpreter,
+    which truncates on `.to(bfloat16)`. NaN/inf are not expected here.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@jit
+def cast_out(v, dtype: tl.constexpr):
+    """float32 -> output dtype with round-to-nearest-even (explicit for bf16: see round_bf16)."""
+    if dtype == tl.bfloat16:
+        v = round_bf16(v)
+    return v.to(dtype)
+
+
+@jit
+def _act_quant_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    groups,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    BLOCK_R: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+):
+    # one program: BLOCK_R (row, 128-channel group) pairs, row-major over [M, groups]
+    idx = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]
+    row = idx // groups
+    g = idx % groups
+    c = g[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [R, GS]
+    ok = row < M
+    mask = ok[:, None] & (c < K)
+    x = tl.load(x_ptr + row[:, None] * stride_xm + c, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)  # [R]
+    scale = tl.math.div_rn(amax, FP8_MAX_C)
+    q = round_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C, FP8_MAX_C))
+    tl.store(q_ptr + row[:, None] * stride_qm + c, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + g, scale, mask=ok)
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16/fp32, last dim contiguous) -> (q [M, K] e4m3, scale [M, ceil(K/128)] fp32).
+
+    Triton kernel; same contract and bits as `fp8_gemm.quantize_act_ref`.
+    """
+    assert HAS_TRITON, "act_quant needs triton"
+    assert x.dim() == 2 and x.stride(-1) == 1, f"x must be 2-D with contiguous rows, got {tuple(x.shape)}"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    m, k = x.shape
+    groups = triton.cdiv(k, GROUP)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, s
+    block_r = 16
+    _act_quant_kernel[(triton.cdiv(m * groups, block_r),)](
+        x,
+        q,
+        s,
+        m,
+        k,
+        groups,
+        x.stride(0),
+        q.stride(0),
+        s.stride(0),
+        BLOCK_R=block_r,
+        GROUP_SIZE=GROUP,
+        FP8_MAX_C=FP8_MAX,
+        num_warps=4,
+    )
+    return q, s
+
+
+__all__ = [
+    "HAS_TRITON",
+    "act_quant",
+    "cast_out",
+    "interpreting",
+    "jit",
+    "round_bf16",
+    "round_e4m3",
+    "use_triton",
+]

@@ -1,0 +1,400 @@
+"""MLA decode: absorbed attention of one new token per request over a paged latent KV cache.
+
+One cache per layer, `kv_cache [num_blocks, block_size, kv_lora + rope]`: each token stores its
+latent (the first kv_lora dims, which are also the value) followed by its rope key. All query heads
+share the one latent "head" (MQA), so a program loads a KV tile once and scores it against a tile of
+heads with one matrix product:
+
+    score[b, h, t] = softmax_scale * (q_nope_lat[b, h] . latent[t] + q_rope[b, h] . k_rope[t])
+    o_lat[b, h]    = sum_t softmax_t(score[b, h, :]) * latent[t]
+
+Long sequences are split into `num_splits` chunks computed in parallel (split-KV) and merged by
+log-sum-exp. FP8 caches (e4m3 / e5m2) carry one float32 scale per tensor (value = stored * scale);
+their tiles are widened to fp16 and q is cast to fp16 for the dots (|q| must stay below 65504).
+`mla_decode` dispatches: Triton on CUDA, the reference on CPU. Measured on an H200:
+benchmarks/NOTES_attention.md.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU runtime must not need triton
+    triton = None
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
+    """Triton on CUDA tensors; on CPU tensors only when asked and under TRITON_INTERPRET=1."""
+    if use_triton is None:
+        return x.is_cuda and triton is not None
+    if use_triton and triton is None:
+        raise RuntimeError("use_triton=True but triton is not installed")
+    if use_triton and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+    return use_triton
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def gather_kv_ref(kv_cache: torch.Tensor, block_table: torch.Tensor, kv_scale: torch.Tensor | None):
+    """Paged cache -> float32 [B, max_blocks * block_size, D], dequantized (positions past a
+    request's length hold whatever its block-table entries point at; callers mask them)."""
+    b, max_blocks = block_table.shape
+    block_size, d = kv_cache.shape[1:]
+    kv = kv_cache[block_table.long()].to(torch.float32)  # [B, max_blocks, block_size, D]
+    if kv_scale is not None:
+        kv = kv * kv_scale.to(torch.float32)
+    return kv.reshape(b, max_blocks * block_size, d)
+
+
+def mla_decode_ref(
+    q_nope_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 reference. Returns (o_lat [B, H, kv_lora] in q's dtype, lse [B, H] float32, natural log).
+
+    A request with seq_len 0 gets o = 0 and lse = -inf.
+    """
+    kv_lora = q_nope_lat.shape[-1]
+    kv = gather_kv_ref(kv_cache, block_table, kv_scale)  # [B, S, kv_lora + rope]
+    pos = torch.arange(kv.shape[1], device=kv.device)
+    valid = pos[None, :] < seq_lens.to(kv.device).long()[:, None]  # [B, S]
+    kv = kv.masked_fill(~valid[..., None], 0.0)  # slots past the end may hold anything (NaN too)
+    q = torch.cat([q_nope_lat, q_rope], dim=-1).to(torch.float32)  # [B, H, kv_lora + rope]
+    scores = torch.einsum("bhd,bsd->bhs", q, kv) * softmax_scale  # [B, H, S]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H]
+    p = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    o = torch.einsum("bhs,bsd->bhd", p, kv[..., :kv_lora])
+    return o.to(q_nope_lat.dtype), lse
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _mla_decode_split_kernel(
+        q_nope, q_rope, kv, block_table, seq_lens, kv_scale_ptr, o_ptr, lse_ptr,
+        stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+        stride_kv_blk, stride_kv_tok, stride_bt_b,
+        stride_o_b, stride_o_h, stride_o_s, stride_l_b, stride_l_h, stride_l_s,
+        H, qk_scale_log2, num_splits,
+        PAGE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+        DL: tl.constexpr, DR: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, LSE_LOG2: tl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_H heads of request b over split s of its tokens.
+
+        Writes o normalized by its own softmax denominator, and its lse (log2 domain when LSE_LOG2,
+        for the merge; natural log otherwise). An empty split writes o = 0, lse = -inf.
+        """
+        pid_h = tl.program_id(0)
+        b = tl.program_id(1)
+        pid_s = tl.program_id(2)
+
+        seq_len = tl.load(seq_lens + b)
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = pid_s * split_len
+        end = tl.minimum(start + split_len, seq_len)
+
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        offs_dl = tl.arange(0, BLOCK_DL)
+        offs_dr = tl.arange(0, BLOCK_DR)
+        mask_dl = offs_dl < DL
+        mask_dr = offs_dr < DR
+
+        qn_ptrs = q_nope + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_dl[None, :]
+        qr_ptrs = q_rope + b * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_dr[None, :]
+        q_n = tl.load(qn_ptrs, mask=mask_h[:, None] & mask_dl[None, :], other=0.0)  # [BH, BDL]
+        q_r = tl.load(qr_ptrs, mask=mask_h[:, None] & mask_dr[None, :], other=0.0)  # [BH, BDR]
+        if HAS_SCALE:
+            kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+            qk_scale_log2 = qk_scale_log2 * kv_scale
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DL], dtype=tl.float32)
+        bt_row = block_table + b * stride_bt_b
+        offs_t = tl.arange(0, BLOCK_N)
+        # Loop-invariant offsets of a tile that lies inside one page: [BN, BDL] and [BN, BDR].
+        tile_lat = offs_t[:, None] * stride_kv_tok + offs_dl[None, :]
+        tile_rope = offs_t[:, None] * stride_kv_tok + DL + offs_dr[None, :]
+
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + offs_t
+            mask_n = offs_n < end
+            if TILE_IN_PAGE:  # PAGE % BLOCK_N == 0 and n0 % BLOCK_N == 0: one page lookup per tile
+                page = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+                tile = kv + page * stride_kv_blk + (n0 % PAGE) * stride_kv_tok
+                lat_ptrs = tile + tile_lat
+                rope_ptrs = tile + tile_rope
+            else:  # a page lookup per token
+                page = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
+                row = page * stride_kv_blk + (offs_n % PAGE) * stride_kv_tok  # [BN] int64
+                lat_ptrs = kv + row[:, None] + offs_dl[None, :]
+                rope_ptrs = kv + row[:, None] + DL + offs_dr[None, :]
+            lat_mask = mask_n[:, None] & mask_dl[None, :]
+            kv_lat = tl.load(lat_ptrs, mask=lat_mask, other=0.0, eviction_policy="evict_last")  # [BN, BDL]
+            if IS_FP8:
+                # NOTE: a converted tile used by both dots is converted in registers twice and its
+                # load is not pipelined. Load it twice instead (the second read hits L2), so that
+                # each load has one use and both are pipelined through shared memory.
+                v_lat = tl.load(lat_ptrs, mask=lat_mask, other=0.0, eviction_policy="evict_first")
+                v_lat = v_lat.to(q_n.dtype)
+                kv_lat = kv_lat.to(q_n.dtype)
+            else:
+                v_lat = kv_lat
+            k_rope = tl.load(rope_ptrs, mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_n.dtype)
+
+            s = tl.dot(q_n, tl.trans(kv_lat))
+            s = tl.dot(q_r, tl.trans(k_rope), s)  # [BH, BN] float32
+            s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a valid token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v_lat.dtype), v_lat)
+            m_i = m_new
+
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        if HAS_SCALE:
+            out = out * kv_scale
+        o_ptrs = o_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + pid_s * stride_o_s + offs_dl[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_dl[None, :])
+        if STORE_LSE:
+            lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+            if not LSE_LOG2:
+                lse = lse * 0.6931471805599453
+            tl.store(lse_ptr + b * stride_l_b + offs_h * stride_l_h + pid_s * stride_l_s, lse, mask=mask_h)
+
+    @triton.jit
+    def _mla_decode_merge_kernel(
+        o_part, lse_part, out, lse_out,
+        stride_p_b, stride_p_h, stride_p_s, stride_pl_b, stride_pl_h,
+        stride_o_b, stride_o_h, stride_lo_b, num_splits,
+        BLOCK_S: tl.constexpr, DL: tl.constexpr, BLOCK_DL: tl.constexpr,
+        STORE_LSE: tl.constexpr,
+    ):  # fmt: skip
+        """One program per (request, head): o = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max)."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_DL)
+        mask_s = offs_s < num_splits
+        lse = tl.load(lse_part + b * stride_pl_b + h * stride_pl_h + offs_s, mask=mask_s, other=float("-inf"))
+        mx = tl.max(lse, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mx)  # [BS], 0 for empty splits
+        denom = tl.sum(w, 0)
+        p_ptrs = o_part + b * stride_p_b + h * stride_p_h + offs_s[:, None] * stride_p_s + offs_d[None, :]
+        o = tl.load(p_ptrs, mask=mask_s[:, None] & (offs_d < DL)[None, :], other=0.0)  # [BS, BDL]
+        res = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(
+            out + b * stride_o_b + h * stride_o_h + offs_d, res.to(out.dtype.element_ty), mask=offs_d < DL
+        )
+        if STORE_LSE:
+            tl.store(lse_out + b * stride_lo_b + h, (mx + tl.log2(denom)) * 0.6931471805599453)
+
+
+# Launch configurations (H200, Triton 3.6; see benchmarks/NOTES_attention.md). BLOCK_H >= 16
+# (tl.dot). ctas_per_sm (from registers and shared memory) feeds the split heuristic.
+# Few heads: memory-bound; a 16-head tile on mma.sync, num_stages=5 so that the pipeliner keeps two
+# KV tiles in flight behind the block-table lookups (3 or 4 stages give one). Many heads: a 64-head
+# tile for wgmma (M = 64 per warpgroup, the 512-wide accumulator split over 2 warpgroups).
+_CONFIGS = {
+    ("few", False): dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=5, ctas_per_sm=2, tile_in_page=True),
+    ("few", True): dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=5, ctas_per_sm=2, tile_in_page=True),
+    ("many", False): dict(
+        BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True
+    ),
+    ("many", True): dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True),
+}
+_CONFIG_INTERPRET = dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, ctas_per_sm=1, tile_in_page=True)
+
+
+def default_config(n_heads: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    if device.type != "cuda":
+        return dict(_CONFIG_INTERPRET)
+    return dict(_CONFIGS["many" if n_heads >= 64 else "few", kv_dtype in FP8_KV_DTYPES])
+
+
+@cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, head_blocks: int, max_len: int, block_n: int, slots: int) -> int:
+    """Splits that minimize (waves x tiles per split), a tile's worth of cost added per split for
+    the prologue, the partial write and the merge. Depends only on static sizes (graph-safe)."""
+    tiles = max(1, -(-max_len // block_n))
+    best, best_cost = 1, float("inf")
+    for s in range(1, min(tiles, 64) + 1):
+        waves = -(-(batch * head_blocks * s) // slots)
+        cost = waves * (-(-tiles // s) + 1) + (1 if s > 1 else 0)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def _dot_k(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
+
+
+def _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale):
+    b, h, kv_lora = q_nope_lat.shape
+    rope = q_rope.shape[-1]
+    assert q_rope.shape == (b, h, rope), f"q_rope {tuple(q_rope.shape)} vs q_nope_lat {(b, h, kv_lora)}"
+    assert kv_cache.dim() == 3 and kv_cache.shape[2] == kv_lora + rope, (
+        f"kv_cache {tuple(kv_cache.shape)}: last dim must be kv_lora + rope = {kv_lora + rope}"
+    )
+    assert block_table.dim() == 2 and block_table.shape[0] == b and block_table.dtype == torch.int32
+    assert seq_lens.shape == (b,) and seq_lens.dtype == torch.int32
+    assert q_nope_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    assert block_table.stride(-1) == 1 and seq_lens.is_contiguous()
+    assert q_rope.dtype == q_nope_lat.dtype
+    if kv_cache.dtype in FP8_KV_DTYPES:
+        assert kv_scale is not None and kv_scale.numel() == 1 and kv_scale.dtype == torch.float32, (
+            "an FP8 cache needs kv_scale: a float32 tensor of one element"
+        )
+    else:
+        assert kv_cache.dtype == q_nope_lat.dtype, f"kv_cache {kv_cache.dtype} vs q {q_nope_lat.dtype}"
+    for t in (q_rope, kv_cache, block_table, seq_lens):
+        assert t.device == q_nope_lat.device
+
+
+def mla_decode_triton(
+    q_nope_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+):
+    """Triton path of `mla_decode` (same contract). `num_splits` and `config` override the defaults;
+    `out` [B, H, kv_lora] and `lse_out` [B, H] float32 are written when given (else allocated)."""
+    _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale)
+    b, h, kv_lora = q_nope_lat.shape
+    rope = q_rope.shape[-1]
+    page = kv_cache.shape[1]
+    dev = q_nope_lat.device
+    cfg = {**default_config(h, dev, kv_cache.dtype), **(config or {})}
+    head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
+    if num_splits is None:
+        slots = (_sm_count(dev.index or 0) if dev.type == "cuda" else 8) * cfg["ctas_per_sm"]
+        num_splits = choose_num_splits(b, head_blocks, block_table.shape[1] * page, cfg["BLOCK_N"], slots)
+    is_fp8 = kv_cache.dtype in FP8_KV_DTYPES
+    has_scale = kv_scale is not None and is_fp8
+    out_dtype = q_nope_lat.dtype
+    if is_fp8:
+        # fp8 -> fp16 is one instruction per pair on sm_90 (-> bf16 takes three more): the dots
+        # of an FP8 cache run in fp16. Converting q here (not in the kernel) keeps it in shared
+        # memory (in-kernel, Triton holds it in registers and spills). HAZARD: |q| < 65504.
+        q_nope_lat, q_rope = q_nope_lat.to(torch.float16), q_rope.to(torch.float16)
+
+    if out is None:
+        out = torch.empty(b, h, kv_lora, dtype=out_dtype, device=dev)  # [B, H, kv_lora]
+    assert out.shape == (b, h, kv_lora) and out.stride(-1) == 1 and out.dtype == out_dtype
+    lse = None
+    if return_lse:
+        lse = lse_out if lse_out is not None else torch.empty(b, h, dtype=torch.float32, device=dev)
+        assert lse.shape == (b, h) and lse.stride(-1) == 1 and lse.dtype == torch.float32
+    if num_splits == 1:  # the split kernel writes the final output (and lse) directly
+        o_part, so_s = out, 0
+        lse_part, sl = (lse, (lse.stride(0), lse.stride(1), 0)) if return_lse else (out, (0, 0, 0))
+    else:
+        o_part = torch.empty(b, h, num_splits, kv_lora, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
+        so_s, sl = o_part.stride(2), lse_part.stride()
+
+    tile_in_page = cfg["tile_in_page"] and page % cfg["BLOCK_N"] == 0
+    grid = (head_blocks, b, num_splits)
+    _mla_decode_split_kernel[grid](
+        q_nope_lat, q_rope, kv_cache, block_table, seq_lens,
+        kv_scale if has_scale else seq_lens, o_part, lse_part,
+        q_nope_lat.stride(0), q_nope_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), so_s, *sl,
+        h, softmax_scale * LOG2E, num_splits,
+        PAGE=page, TILE_IN_PAGE=tile_in_page,
+        DL=kv_lora, DR=rope, BLOCK_DL=_dot_k(kv_lora), BLOCK_DR=_dot_k(rope),
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        HAS_SCALE=has_scale, IS_FP8=is_fp8,
+        STORE_LSE=return_lse or num_splits > 1, LSE_LOG2=num_splits > 1,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if num_splits > 1:
+        _mla_decode_merge_kernel[(h, b)](
+            o_part, lse_part, out, lse if return_lse else lse_part,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            DL=kv_lora, BLOCK_DL=triton.next_power_of_2(kv_lora), STORE_LSE=return_lse,
+            num_warps=4,
+        )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def mla_decode(
+    q_nope_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+):
+    """Absorbed MLA decode over a paged latent cache.
+
+    q_nope_lat [B, H, kv_lora] (query absorbed through w_kc), q_rope [B, H, rope],
+    kv_cache [num_blocks, block_size, kv_lora + rope] (q's dtype, or FP8 with kv_scale, a float32
+    one-element tensor), block_table [B, max_blocks] int32, seq_lens [B] int32 (tokens to attend,
+    the new one included), softmax_scale (YaRN mscale^2 included).
+    Returns o_lat [B, H, kv_lora] in q's dtype, and with return_lse also lse [B, H] float32 (natural
+    log). `out`, when given, receives o_lat. Triton on CUDA (use_triton=None), the float32
+    reference on CPU.
+    """
+    if _use_triton(q_nope_lat, use_triton):
+        return mla_decode_triton(
+            q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, return_lse, out=out
+        )
+    o, lse = mla_decode_ref(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale)
+    if out is not None:
+        o = out.copy_(o)
+    return (o, lse) if return_lse else o
+
+
+__all__ = ["mla_decode", "mla_decode_ref", "mla_decode_triton", "choose_num_splits", "default_config"]

@@ -1,0 +1,270 @@
+"""RMSNorm (optionally fused with the residual add and with per-token FP8 quantization) and
+rotate-half rotary embedding.
+
+RMSNorm computes in float32: y = x * rsqrt(mean(x^2) + eps) * weight, one rounding to the output
+dtype at the end. With a residual, x + residual is rounded to the residual's dtype first (what an
+unfused `residual = x + residual` in that dtype stores), returned as the new residual, and that
+rounded value is normalized. `rms_norm_quant` quantizes the float32 y per token per 128 channels
+to e4m3 exactly like `fp8_gemm.quantize_act_ref`.
+
+Rope (rotate-half): out = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), on
+x [T, H, rope] with cos / sin [T, rope] (cos = cat(cos(f), cos(f))), float32 math.
+Entry points dispatch: Triton on CUDA, the reference on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mlac.kernels.fp8_gemm import BLOCK as QUANT_GROUP
+from mlac.kernels.fp8_gemm import FP8, FP8_MAX, quantize_act_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU runtime must not need triton
+    triton = None
+
+
+def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
+    """Triton on CUDA tensors; on CPU tensors only when asked and under TRITON_INTERPRET=1."""
+    if use_triton is None:
+        return x.is_cuda and triton is not None
+    if use_triton and triton is None:
+        raise RuntimeError("use_triton=True but triton is not installed")
+    if use_triton and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+    return use_triton
+
+
+# --------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------
+
+
+def _add_residual_ref(
+    x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if residual is None:
+        return x.to(torch.float32), None
+    new_residual = (x.to(torch.float32) + residual.to(torch.float32)).to(residual.dtype)
+    return new_residual.to(torch.float32), new_residual
+
+
+def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D], weight [D] -> y [..., D] in x's dtype; with residual, (y, new_residual)."""
+    xf, new_residual = _add_residual_ref(x, residual)
+    y = _rms_norm_f32(xf, weight, eps).to(x.dtype)
+    return y if residual is None else (y, new_residual)
+
+
+def rms_norm_quant_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [T, D] -> (y e4m3 [T, D], scale [T, ceil(D/128)] float32, new_residual or None)."""
+    xf, new_residual = _add_residual_ref(x, residual)
+    y_fp8, scale = quantize_act_ref(_rms_norm_f32(xf, weight, eps))
+    return y_fp8, scale, new_residual
+
+
+def rotate_half_ref(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, R], cos / sin [T, R] -> [T, H, R] in x's dtype (float32 math)."""
+    xf = x.to(torch.float32)
+    c, s = cos.to(torch.float32)[:, None, :], sin.to(torch.float32)[:, None, :]
+    return (xf * c + rotate_half_ref(xf) * s).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x, residual, weight, y, residual_out, y_fp8, y_scale,
+        stride_x, stride_r, stride_y, stride_ro, stride_q, stride_qs,
+        D, eps,
+        BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+    ):  # fmt: skip
+        """One program per row (token)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_D)
+        mask = offs < D
+        xv = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(residual + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+            summed = (xv + r).to(residual_out.dtype.element_ty)
+            tl.store(residual_out + row * stride_ro + offs, summed, mask=mask)
+            xv = summed.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xv * xv, 0) / D + eps)
+        w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+        out = xv * rstd * w  # [BLOCK_D] float32, 0 past D
+        if QUANT:
+            groups = tl.reshape(out, [BLOCK_D // GROUP, GROUP])
+            amax = tl.maximum(tl.max(tl.abs(groups), 1), 1e-12)  # [BLOCK_D // GROUP]
+            scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))  # as torch divides
+            q = tl.clamp(tl.math.div_rn(groups, scale[:, None]), -FP8_MAX, FP8_MAX)
+            q = tl.reshape(q, [BLOCK_D]).to(y_fp8.dtype.element_ty)
+            tl.store(y_fp8 + row * stride_q + offs, q, mask=mask)
+            offs_g = tl.arange(0, BLOCK_D // GROUP)
+            tl.store(y_scale + row * stride_qs + offs_g, scale, mask=offs_g * GROUP < D)
+        else:
+            tl.store(y + row * stride_y + offs, out.to(y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(
+        x, cos, sin, out, stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh, H,
+        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """One program per (token, tile of heads). In place when out is x: each element is read
+        before it is written, by the same program."""
+        t = tl.program_id(0).to(tl.int64)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_HALF)
+        mask_d = offs_d < HALF
+        c1 = tl.load(cos + t * stride_ct + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        c2 = tl.load(cos + t * stride_ct + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        s1 = tl.load(sin + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        s2 = tl.load(sin + t * stride_st + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        mask = (offs_h < H)[:, None] & mask_d[None, :]
+        x_ptrs = x + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+        x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BH, HALF]
+        x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * c1[None, :] - x2 * s1[None, :]
+        o2 = x2 * c2[None, :] + x1 * s2[None, :]
+        o_ptrs = out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o1.to(out.dtype.element_ty), mask=mask)
+        tl.store(o_ptrs + HALF, o2.to(out.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [N, D] view (a copy only if the leading dims cannot be flattened)."""
+    assert t.stride(-1) == 1, "last dim must be contiguous"
+    return t.reshape(-1, t.shape[-1])
+
+
+def _rms_norm_launch(x, weight, eps, residual, quant: bool):
+    d = x.shape[-1]
+    assert weight.shape == (d,) and weight.is_contiguous()
+    x2 = _rows(x)
+    n = x2.shape[0]
+    r2 = r_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.device == x.device
+        r2 = _rows(residual)
+        r_out = torch.empty(n, d, dtype=residual.dtype, device=x.device)
+    block_d = triton.next_power_of_2(d)
+    y = y_fp8 = y_scale = None
+    if quant:
+        block_d = max(block_d, QUANT_GROUP)
+        y_fp8 = torch.empty(n, d, dtype=FP8, device=x.device)
+        y_scale = torch.empty(n, -(-d // QUANT_GROUP), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    any_out = y if y is not None else y_fp8
+    _rms_norm_kernel[(n,)](
+        x2, r2 if r2 is not None else x2, weight, any_out, r_out if r_out is not None else any_out,
+        y_fp8 if quant else any_out, y_scale if quant else weight,
+        x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0) if y is not None else 0,
+        r_out.stride(0) if r_out is not None else 0, y_fp8.stride(0) if quant else 0,
+        y_scale.stride(0) if quant else 0,
+        d, eps,
+        BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, QUANT=quant, GROUP=QUANT_GROUP, FP8_MAX=FP8_MAX,
+        num_warps=min(16, max(1, block_d // 512)),
+    )  # fmt: skip
+    if r_out is not None:
+        r_out = r_out.view(residual.shape)
+    return y, y_fp8, y_scale, r_out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim. x [..., D] (rows may be strided, last dim contiguous), weight [D].
+
+    Returns y [..., D] in x's dtype; with residual [..., D], returns (y, new_residual) where
+    new_residual = x + residual in the residual's dtype (a new tensor; inputs are not modified).
+    """
+    if not _use_triton(x, use_triton):
+        return rms_norm_ref(x, weight, eps, residual)
+    y, _, _, r_out = _rms_norm_launch(x, weight, eps, residual, quant=False)
+    y = y.view(x.shape)
+    return y if residual is None else (y, r_out)
+
+
+def rms_norm_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm fused with per-token per-128-channel e4m3 quantization of its float32 output.
+
+    x [T, D] -> (y_fp8 [T, D] float8_e4m3fn, scale [T, ceil(D/128)] float32 with y ~= y_fp8 * scale,
+    new_residual [T, D] or None), the quantization that `fp8_gemm.quantize_act_ref` defines.
+    """
+    assert x.dim() == 2, "x must be [T, D]"
+    if not _use_triton(x, use_triton):
+        return rms_norm_quant_ref(x, weight, eps, residual)
+    _, y_fp8, y_scale, r_out = _rms_norm_launch(x, weight, eps, residual, quant=True)
+    return y_fp8, y_scale, r_out
+
+
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inplace: bool = False,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Rotate-half rope on x [T, H, R] (may be a strided view, e.g. the rope slice of q; last dim
+    contiguous) with cos / sin [T, R]. Returns a new tensor, or x itself when inplace."""
+    t, h, r = x.shape
+    assert r % 2 == 0 and cos.shape == (t, r) and sin.shape == (t, r), (
+        f"x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+    )
+    if not _use_triton(x, use_triton):
+        res = apply_rope_ref(x, cos, sin)
+        return x.copy_(res) if inplace else res
+    assert x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    out = x if inplace else torch.empty(t, h, r, dtype=x.dtype, device=x.device)
+    half = r // 2
+    block_h = min(triton.next_power_of_2(h), 16)
+    _rope_kernel[(t, triton.cdiv(h, block_h))](
+        x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+        out.stride(0), out.stride(1), h,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h,
+        num_warps=1 if h * r <= 1024 else 4,
+    )  # fmt: skip
+    return out
+
+
+__all__ = [
+    "rms_norm",
+    "rms_norm_quant",
+    "apply_rope",
+    "rms_norm_ref",
+    "rms_norm_quant_ref",
+    "apply_rope_ref",
+    "rotate_half_ref",
+]

@@ -1,0 +1,150 @@
+"""Fused MoE: moe_align and the Triton grouped expert GEMMs against fused_moe_ref.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes (set by _util before triton
+is imported); tests marked gpu run V2-Lite and V3 TP-8 shapes and are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+try:
+    from tests.kernels import _util
+except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
+    import _util
+
+needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
+DEV = "cuda" if _util.HAS_CUDA else "cpu"
+
+_, gemm_mod, moe_mod = _util.kernel_modules()
+
+
+def _experts(e: int, d: int, i: int, fp8: bool, seed: int, device=DEV):
+    g = torch.Generator(device=device).manual_seed(seed)
+    kw = dict(generator=g, device=device)
+    if fp8:
+        w13 = (torch.randn(e, 2 * i, d, **kw) * 64).clamp(-448, 448).to(gemm_mod.FP8)
+        w2 = (torch.randn(e, d, i, **kw) * 64).clamp(-448, 448).to(gemm_mod.FP8)
+        s13 = (torch.rand(e, -(-2 * i // 128), -(-d // 128), **kw) + 0.5) * (0.02 / d**0.5)
+        s2 = (torch.rand(e, -(-d // 128), -(-i // 128), **kw) + 0.5) * (0.02 / i**0.5)
+        return w13, w2, s13, s2
+    w13 = (torch.randn(e, 2 * i, d, **kw) / d**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, d, i, **kw) / i**0.5).to(torch.bfloat16)
+    return w13, w2, None, None
+
+
+def _routing(t: int, e: int, top_k: int, seed: int, n_invalid: int = 0, device=DEV):
+    """Random top-k routing; `n_invalid` pairs point at experts of another rank (ids >= E or -1)."""
+    g = torch.Generator().manual_seed(seed)
+    weights, ids = moe_mod.route_ref(torch.randn(t, e, generator=g), top_k, "greedy", "softmax")
+    flat = ids.view(-1)
+    bad = torch.randperm(flat.numel(), generator=g)[:n_invalid]
+    flat[bad] = torch.where(torch.arange(bad.numel()) % 2 == 0, e + 5, -1)
+    return weights.to(device), ids.to(device)
+
+
+def _run(x, w13, w2, weights, ids, s13, s2, config=None):
+    with _util.poisoned_empty():
+        return moe_mod.fused_moe(x, w13, w2, weights, ids, s13, s2, use_triton=True, config=config)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "t,e,top_k,block_m", [(1, 8, 2, 16), (17, 6, 3, 16), (130, 8, 2, 32), (40, 64, 6, 16)]
+)
+def test_moe_align(t, e, top_k, block_m):
+    _, ids = _routing(t, e, top_k, seed=t + e, n_invalid=min(3, t * top_k - 1))
+    with _util.poisoned_empty():
+        sorted_pairs, block_expert, num_padded = moe_mod.moe_align(ids, e, block_m)
+    p = ids.numel()
+    sorted_pairs, block_expert, total = sorted_pairs.cpu(), block_expert.cpu(), int(num_padded.item())
+    flat = ids.view(-1).cpu()
+    valid = (flat >= 0) & (flat < e)
+    assert total % block_m == 0 and total <= sorted_pairs.numel()
+    assert (sorted_pairs[total:] == p).all()
+    real = sorted_pairs[:total][sorted_pairs[:total] < p].long()
+    assert sorted(real.tolist()) == torch.nonzero(valid).view(-1).tolist()  # every valid pair once
+    n_blocks = total // block_m
+    assert (block_expert[n_blocks:] == -1).all()
+    experts = block_expert[:n_blocks].repeat_interleave(block_m)
+    assert (experts[:total][sorted_pairs[:total] < p] == flat[real]).all()  # pair sits with its expert
+    counts = torch.bincount(flat[valid], minlength=e)
+    assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+CPU_CASES = [  # T, E, top_k, D, I, invalid pairs, FP8 weights
+    (1, 8, 2, 96, 64, 0, False),
+    (1, 8, 2, 96, 64, 0, True),
+    (3, 8, 2, 200, 96, 1, False),
+    (3, 8, 2, 200, 96, 1, True),
+    (17, 6, 3, 200, 96, 4, False),
+    (17, 6, 3, 320, 200, 4, True),
+    (130, 8, 2, 96, 64, 9, False),
+    (130, 8, 2, 96, 64, 9, True),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("t,e,top_k,d,i,n_invalid,fp8", CPU_CASES)
+def test_fused_moe_matches_reference(t, e, top_k, d, i, n_invalid, fp8):
+    w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t * 31 + d)
+    weights, ids = _routing(t, e, top_k, seed=t + i, n_invalid=n_invalid)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEV)
+    ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
+    _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2), ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_prefill_config(fp8):
+    """The larger-tile configuration (block_m 64, 8 warps) on a small problem."""
+    t, e, top_k, d, i = 40, 2, 2, 256, 128
+    w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=7)
+    weights, ids = _routing(t, e, top_k, seed=8, n_invalid=2)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEV)
+    cfg = moe_mod.MoeConfig(64, 128, 128, 128 if fp8 else 64, num_warps=8, num_stages=3)
+    ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
+    _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2, cfg), ref)
+
+
+@needs_triton
+def test_fused_moe_no_local_expert_gives_zeros():
+    w13, w2, _, _ = _experts(4, 96, 64, False, seed=1)
+    x = torch.randn(3, 96).to(torch.bfloat16).to(DEV)
+    ids = torch.tensor([[4, 7], [-1, 9], [5, 4]], device=DEV)
+    weights = torch.rand(3, 2, device=DEV)
+    out = _run(x, w13, w2, weights, ids, None, None)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_cpu_dispatch_runs_reference():
+    w13, w2, _, _ = _experts(4, 96, 64, False, seed=2, device="cpu")
+    weights, ids = _routing(3, 4, 2, seed=3, device="cpu")
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    out = moe_mod.fused_moe(x, w13, w2, weights, ids)
+    assert torch.equal(out, moe_mod.fused_moe_ref(x, w13, w2, weights, ids))
+
+
+# ---- GPU: real shapes -------------------------------------------------------------------------
+
+GPU_CASES = [  # name, E, top_k, D, I, fp8
+    ("v2lite-bf16", 64, 6, 2048, 1408, False),
+    ("v3-tp8-fp8", 256, 8, 7168, 256, True),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 64, 300, 2048])
+@pytest.mark.parametrize("name,e,top_k,d,i,fp8", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_fused_moe_real_shapes(name, e, top_k, d, i, fp8, t, monkeypatch):
+    monkeypatch.setattr(moe_mod, "fp8_linear_ref", _util.fp8_linear_ref64)  # exact expert products
+    w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t)
+    weights, ids = _routing(t, e, top_k, seed=t + 1, n_invalid=t // 10)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEV)
+    ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
+    out = _run(x, w13, w2, weights, ids, s13, s2)
+    _util.assert_close(out, ref)
+    assert torch.equal(out, _run(x, w13, w2, weights, ids, s13, s2))  # no race between runs
