@@ -87,6 +87,7 @@ if triton is not None:
         stride_k_t, stride_v_t, qk_scale_log2,
         MASK_D: tl.constexpr, DB: tl.constexpr, DQK: tl.constexpr, DA: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         """Online-softmax update of one key tile starting at key position n0."""
         offs_n = n0 + offs_n0
@@ -95,14 +96,14 @@ if triton is not None:
             k_a = tl.load(k_ptrs_a + n0 * stride_k_t, mask=mask_n[:, None], other=0.0)  # [BN, DA]
         else:
             k_a = tl.load(k_ptrs_a + n0 * stride_k_t)
-        s = tl.dot(q_a, tl.trans(k_a))  # [BM, BN] float32
+        s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)  # [BM, BN] float32
         if DB > 0:
             mask_db = (DA + tl.arange(0, DB)) < DQK
             if MASKED:
                 k_b = tl.load(k_ptrs_b + n0 * stride_k_t, mask=mask_n[:, None] & mask_db[None, :], other=0.0)
             else:
                 k_b = tl.load(k_ptrs_b + n0 * stride_k_t, mask=mask_db[None, :], other=0.0)
-            s = tl.dot(q_b, tl.trans(k_b), s)
+            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
         s = s * qk_scale_log2
         if MASKED:
             keep = mask_n[None, :]
@@ -120,7 +121,7 @@ if triton is not None:
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return acc, m_new, l_i
 
     @triton.jit
@@ -131,6 +132,7 @@ if triton is not None:
         qk_scale_log2, GROUP: tl.constexpr,
         DQK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         """q/k head dims split as DA (a power of two) + a DB-wide masked tail (DB = 0: none)."""
         pid_m = tl.program_id(0)
@@ -179,13 +181,13 @@ if triton is not None:
             acc, m_i, l_i = _attn_tile(
                 acc, m_i, l_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs, offs_m, offs_n0, n0, kv_len, limit,
                 stride_k_t, stride_v_t, qk_scale_log2,
-                BLOCK_DV != DV, DB, DQK, DA, DV, BLOCK_DV, False, CAUSAL,
+                BLOCK_DV != DV, DB, DQK, DA, DV, BLOCK_DV, False, CAUSAL, PRECISION,
             )  # fmt: skip
         for n0 in range(full_end, hi, BLOCK_N):
             acc, m_i, l_i = _attn_tile(
                 acc, m_i, l_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs, offs_m, offs_n0, n0, kv_len, limit,
                 stride_k_t, stride_v_t, qk_scale_log2,
-                BLOCK_DV != DV, DB, DQK, DA, DV, BLOCK_DV, True, CAUSAL,
+                BLOCK_DV != DV, DB, DQK, DA, DV, BLOCK_DV, True, CAUSAL, PRECISION,
             )  # fmt: skip
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -251,6 +253,7 @@ def extend_attention_triton(
         softmax_scale * LOG2E, GROUP=h // h_kv,
         DQK=d_qk, DA=da, DB=db, DV=d_v, BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, STORE_LSE=return_lse,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 in, float32 math (no TF32)
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return (out, lse) if return_lse else out

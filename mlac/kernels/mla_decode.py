@@ -104,6 +104,7 @@ if triton is not None:
         DL: tl.constexpr, DR: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, LSE_LOG2: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_H heads of request b over split s of its tokens.
 
@@ -169,15 +170,15 @@ if triton is not None:
                 v_lat = kv_lat
             k_rope = tl.load(rope_ptrs, mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_n.dtype)
 
-            s = tl.dot(q_n, tl.trans(kv_lat))
-            s = tl.dot(q_r, tl.trans(k_rope), s)  # [BH, BN] float32
+            s = tl.dot(q_n, tl.trans(kv_lat), input_precision=PRECISION)
+            s = tl.dot(q_r, tl.trans(k_rope), s, input_precision=PRECISION)  # [BH, BN] float32
             s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a valid token
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v_lat.dtype), v_lat)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v_lat.dtype), v_lat, input_precision=PRECISION)
             m_i = m_new
 
         empty = l_i == 0.0
@@ -350,6 +351,7 @@ def mla_decode_triton(
         DL=kv_lora, DR=rope, BLOCK_DL=_dot_k(kv_lora), BLOCK_DR=_dot_k(rope),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_SCALE=has_scale, IS_FP8=is_fp8,
+        PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",  # a float32 cache: no TF32
         STORE_LSE=return_lse or num_splits > 1, LSE_LOG2=num_splits > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
