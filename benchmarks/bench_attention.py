@@ -202,44 +202,56 @@ def main():
             mla_decode_triton(*qs[0], cache, table, seq_lens, 0.07, kv_scale)
         torch.cuda.synchronize()
         return
+    result = run(args.quick)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "attention_h200.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result))
+    print(f"wrote {path}")
+
+
+def run(quick: bool = False) -> dict:
+    """Ceilings, then every decode and extend case; the result dict that is written as JSON."""
     props = torch.cuda.get_device_properties(0)
     copy_gbs = copy_bandwidth()
     mm = matmul_tflops()
     print(f"{props.name}: copy {copy_gbs:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s", flush=True)
     cases = [
-        bench_decode("decode bf16 H16 64x8192", 64, 16, 8192, torch.bfloat16, copy_gbs, mm, args.quick),
-        bench_decode("decode bf16 H16 128x2048", 128, 16, 2048, torch.bfloat16, copy_gbs, mm, args.quick),
-        bench_decode("decode bf16 H128 64x8192", 64, 128, 8192, torch.bfloat16, copy_gbs, mm, args.quick),
-        bench_decode("decode fp8 H16 64x8192", 64, 16, 8192, torch.float8_e4m3fn, copy_gbs, mm, args.quick),
+        bench_decode("decode bf16 H16 64x8192", 64, 16, 8192, torch.bfloat16, copy_gbs, mm, quick),
+        bench_decode("decode bf16 H16 128x2048", 128, 16, 2048, torch.bfloat16, copy_gbs, mm, quick),
+        bench_decode("decode bf16 H128 64x8192", 64, 128, 8192, torch.bfloat16, copy_gbs, mm, quick),
+        bench_decode("decode fp8 H16 64x8192", 64, 16, 8192, torch.float8_e4m3fn, copy_gbs, mm, quick),
         bench_decode("decode fp8 H128 64x8192", 64, 128, 8192, torch.float8_e4m3fn, copy_gbs, mm, True),
         bench_extend("extend bf16 H16 4x4096 (prefix 0)", 4, 4096, 0, 16, mm),
         bench_extend("extend bf16 H16 8x1024 (prefix 3072)", 8, 1024, 3072, 16, mm),
     ]
-    result = dict(
+    return dict(
         device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__,
         triton=triton.__version__, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         copy_gbs=copy_gbs, bf16_matmul_tflops=mm, cases=cases,
     )  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "attention_h200.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    versions = f"torch {torch.__version__} | triton {triton.__version__}"
-    print(f"\n{props.name} | {versions} | copy {copy_gbs:.0f} GB/s | bf16 matmul {mm:.0f} TFLOP/s")
+
+
+def table(result: dict) -> str:
+    """One line per case: its default config and its best config."""
+    versions = f"torch {result['torch']} | triton {result['triton']}"
+    lines = [f"{result['device']} | {versions} | copy {result['copy_gbs']:.0f} GB/s | "
+             f"bf16 matmul {result['bf16_matmul_tflops']:.0f} TFLOP/s"]  # fmt: skip
     head = f"{'case':38s} {'cfg':8s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s} {'ref ms':>8s}"
-    print(f"{head} {'err':>8s}")
-    for c in cases:
+    lines.append(f"{head} {'err':>8s}")
+    for c in result["cases"]:
         for r in [c["configs"][0], best(c["configs"])]:
             if r is None or "ms" not in r:
-                print(f"{c['name']:38s} {r['config'] if r else '-':8s} failed: {r.get('error') if r else ''}")
+                lines.append(f"{c['name']:38s} {r['config'] if r else '-':8s} failed: {r.get('error') if r else ''}")
                 continue
             gbs = f"{r['kv_gbs']:7.0f}" if "kv_gbs" in r else f"{'':7s}"
             frac = f"{100 * r['frac_copy_bw']:5.1f}%" if "frac_copy_bw" in r else f"{'':6s}"
-            print(
+            lines.append(
                 f"{c['name']:38s} {r['config']:8s} {r['ms']:8.3f} {gbs} {frac} {r['tflops']:8.1f}"
                 f" {c['ref_ms']:8.2f} {r['rel_err']:8.1e}"
             )
-    print(f"wrote {path}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

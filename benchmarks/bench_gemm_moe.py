@@ -428,6 +428,16 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma list of gemm,moe,bmm,routing (default all)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else {"gemm", "moe", "bmm", "routing"}
+    res = run(args.quick, only)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    Path(args.out).with_suffix(".log").write_text("\n".join(LOG))
+    print(table(res))
+
+
+def run(quick: bool = False, only: set[str] | None = None) -> dict:
+    """Ceilings, then the GEMM, MoE, bmm and routing cases; the result dict written as JSON."""
+    only = only or {"gemm", "moe", "bmm", "routing"}
     t0 = time.time()
     torch.manual_seed(0)
     res = {
@@ -444,11 +454,11 @@ def main() -> None:
     if "gemm" in only:
         for m in (1, 16, 4096):
             for n, k in GEMM_NK:
-                res["gemm"].append(bench_gemm(m, n, k, res["ceilings"], args.quick))
+                res["gemm"].append(bench_gemm(m, n, k, res["ceilings"], quick))
                 torch.cuda.empty_cache()
     if "moe" in only:
         for case in MOE_CASES:
-            res["moe"].append(bench_moe(case, res["ceilings"], args.quick))
+            res["moe"].append(bench_moe(case, res["ceilings"], quick))
             torch.cuda.empty_cache()
     if "bmm" in only:
         for b in (1, 64, 4096):
@@ -456,10 +466,7 @@ def main() -> None:
     if "routing" in only:
         res["routing"] = bench_routing()
     res["wall_s"] = time.time() - t0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    Path(args.out).with_suffix(".log").write_text("\n".join(LOG))
-    print(table(res))
+    return res
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""All kernel benchmarks on one GPU: one table, one JSON (issue: GPU kernels).
+
+    python benchmarks/kernels.py [--quick] [--out benchmarks/results/kernels_h200.json]
+    python benchmarks/kernels.py --from-results     # the table of the recorded results, no GPU
+
+Runs benchmarks/bench_attention.py (MLA decode, extend attention) and bench_gemm_moe.py
+(block-FP8 GEMM, fused MoE, w_kc/w_vc bmm, routing). Each measures its ceilings in the same
+run (device-to-device copy; bf16 matmul; torch._scaled_mm rowwise FP8) and the plain-torch
+baseline of every kernel, and reports median time, GB/s or TFLOP/s and the fraction of ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+import bench_attention  # noqa: E402
+import bench_gemm_moe  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="default configurations only")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "kernels_h200.json")
+    ap.add_argument("--from-results", action="store_true", help="print the recorded results (no GPU needed)")
+    args = ap.parse_args()
+    if args.from_results:
+        attention = json.loads((HERE / "results" / "attention_h200.json").read_text())
+        gemm_moe = json.loads((HERE / "results" / "gemm_moe_h200.json").read_text())
+    else:
+        attention = bench_attention.run(args.quick)
+        gemm_moe = bench_gemm_moe.run(args.quick)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"attention": attention, "gemm_moe": gemm_moe}, indent=1))
+    print(bench_attention.table(attention))
+    print()
+    print(bench_gemm_moe.table(gemm_moe))
+
+
+if __name__ == "__main__":
+    main()
