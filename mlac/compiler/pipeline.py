@@ -16,7 +16,15 @@ from pathlib import Path
 import torch
 
 import mlac
-from mlac.artifact import TOKENIZER_DIR, CompileOptions, Manifest, ParallelPlan, PassRecord, Quantization, SourceInfo
+from mlac.artifact import (
+    TOKENIZER_DIR,
+    CompileOptions,
+    Manifest,
+    ParallelPlan,
+    PassRecord,
+    Quantization,
+    SourceInfo,
+)
 from mlac.compiler.lazy import LazyTensor
 from mlac.compiler.reader import Checkpoint, read_globals, read_layer
 from mlac.compiler.writer import ArtifactWriter

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from mlac.compiler.lazy import LazyTensor
-from mlac.config import FP8_BLOCK
-from mlac.passes import PassContext
 from mlac.compiler.reader import FP8_DEQUANT_DTYPE
+from mlac.config import FP8_BLOCK
 from mlac.kernels.fp8_gemm import dequantize_blocks
+from mlac.passes import PassContext
 
 NAME = "rope"
 
