@@ -2,8 +2,8 @@
 
     python benchmarks/multirank_gpu.py --one out-tp1/ --many out-tp2/ --json result.json
 
-For each artifact: load time (process start of the engine to ready, with and without sha256
-verification of every file), logits on probe prompts, and decode tokens/s at batch 1 and 32
+For each artifact: load time (Engine.from_artifact to ready; sizes checked, sha256 not
+re-hashed: `mlac verify` does that), logits on probe prompts, and decode tokens/s at batch 1 and 32
 (greedy, EOS ignored; decode time = time(prefill + N steps) - time(prefill + 1 step)).
 The tp=N logits are compared with the 1-GPU logits (max relative error, rel_l2, top-1).
 """
@@ -59,10 +59,6 @@ def measure(path: str, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
     engine.close()
     del engine
     torch.cuda.empty_cache()
-    start = time.perf_counter()
-    engine = Engine.from_artifact(path, device="cuda", dtype=dtype, verify=True, num_blocks=64)
-    out["load_seconds_with_sha256"] = round(time.perf_counter() - start, 2)
-    engine.close()
     return out, logits
 
 

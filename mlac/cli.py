@@ -1,4 +1,4 @@
-"""mlac command line: compile, inspect, verify, synth, generate.
+"""mlac command line: compile, inspect, verify, synth, generate, serve, demo.
 
 Thin wiring over the Python API. Every MlacError becomes `error: <message>` on stderr with exit
 code 1 and no traceback.
@@ -173,6 +173,73 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
                           seed=seed, stop=list(stop) or None)  # fmt: skip
     click.echo(out.text)
     _log(f"[{out.prompt_tokens} prompt tokens, {out.completion_tokens} completion tokens, finish: {out.finish_reason}]")
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes (default: env MLAC_API_KEY).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--max-running-requests", type=int, default=64, show_default=True, help="Most requests in the running batch.")
+@click.option("--chunked-prefill-size", type=int, default=2048, show_default=True, help="Most prompt tokens run per step.")
+@click.option("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes (default 1 GiB, capped at 4 full contexts).")
+@click.option("--num-blocks", type=int, default=None, help="KV cache size in blocks of 16 tokens (instead of --kv-cache-bytes).")
+@click.option("--max-queue", type=int, default=256, show_default=True, help="Requests waiting beyond the running batch before 503.")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True, help="Seconds SIGTERM waits for running requests.")
+@click.option("--served-model-name", default=None, help="Model id of the API (default: OUT_DIR's name).")
+@click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True, help="Largest request body accepted.")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes of a multi-rank artifact.")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="This node's rank (node 0 serves HTTP).")
+@click.option("--master-addr", default="127.0.0.1", show_default=True, help="Rendezvous address (node 0).")
+@click.option("--master-port", type=int, default=29500, show_default=True, help="Rendezvous port.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@friendly_errors
+def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
+          num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, nnodes, node_rank, master_addr,
+          master_port, log_level):  # fmt: skip
+    """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
+
+    \b
+      mlac serve out/ --port 8000
+      curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "out", "messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    from mlac.runtime.runner import LaunchSpec
+    from mlac.runtime.scheduler import SchedulerConfig
+    from mlac.runtime.server import ServerConfig, api_key_from_env, load_engine
+    from mlac.runtime.server import serve as run_server
+
+    if num_blocks is not None and kv_cache_bytes is not None:
+        raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
+    launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    config = ServerConfig(
+        artifact=out_dir, host=host, port=port, api_key=api_key_from_env(api_key), device=device, dtype=dtype,
+        scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size),
+        num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
+        served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
+    )  # fmt: skip
+    if node_rank != 0:  # a worker node: its ranks run node 0's steps inside make_runner, which exits the process
+        load_engine(config).close()
+        return
+    run_server(config, log_level=log_level)
+
+
+@main.command()
+@click.option("--work", type=click.Path(path_type=Path), default=None, help="Working directory (default: a temporary one, removed after).")
+@click.option("--tp", type=int, default=2, show_default=True, help="Tensor-parallel ranks of the compiled demo artifact.")
+@click.option("--prompt", default="What is the capital of France?", show_default=True, help="The chat message sent.")
+@click.option("--max-tokens", type=int, default=24, show_default=True)
+@friendly_errors
+def demo(work, tp, prompt, max_tokens):
+    """Synthesize tiny-v3, compile it (--tp, --fp8), serve it on CPU, send one chat request over HTTP.
+
+    Prints the reply and the timings: compile, load-to-ready, request.
+    """
+    from mlac.demo import run_demo
+
+    run_demo(work, tp=tp, prompt=prompt, max_tokens=max_tokens, echo=click.echo)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
-"""Engine: load an artifact, then score or generate (prefill, then decode step by step on the cache).
+"""Engine: load an artifact, then score or generate.
 
     engine = Engine.from_artifact("out/")
-    engine.generate("Hello", max_tokens=32).text
+    engine.generate("Hello", max_tokens=32).text                      # one prompt -> Completion
+    engine.generate(["Hi", "Bye"], SamplingParams(max_tokens=8))      # a batch -> [Completion]
+    for delta in engine.stream("Hello", max_tokens=32):               # one request, streamed
+        print(delta.text, end="")
 
-A single-process reference engine: requests of one `generate_batch` call are prefilled together
-and decoded together; continuous batching belongs to the scheduler, which drives the same
-pieces (PagedKVCache, ForwardBatch, DeepseekModel, sample).
+`generate` and `stream` run through the continuous-batching Scheduler (scheduler.py) in the
+caller's thread; server.EngineLoop runs one long-lived scheduler in a background thread for the
+HTTP server. `generate_batch` is the lockstep reference: every request's blocks reserved up front,
+one prefill over all, then decode steps together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import itertools
+import numbers
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -25,10 +30,21 @@ from mlac.runtime.layers import Weights
 from mlac.runtime.loader import to_compute_dtype
 from mlac.runtime.model import DeepseekModel
 from mlac.runtime.runner import LaunchSpec, ModelRunner, make_cache, make_runner
-from mlac.runtime.sampling import SamplingParams, make_generator, sample
-from mlac.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from mlac.runtime.sampling import SamplingParams, TokenLogprob, make_generator
+from mlac.runtime.scheduler import (  # noqa: F401  (find_stop: re-exported)
+    Delta,
+    FinishReason,
+    Scheduler,
+    SchedulerConfig,
+    find_stop,
+    sample_next,
+)
+from mlac.runtime.scheduler import (
+    Sequence as Seq,
+)
+from mlac.runtime.tokenizer import Tokenizer
 
-FinishReason = Literal["stop", "length"]
+Prompt = str | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -38,22 +54,16 @@ class Completion:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked
 
 
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    detok: IncrementalDetokenizer | None
-    block_table: list[int] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_at: int | None = None  # where a stop string starts in detok.text
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+def is_one_prompt(prompt: object) -> bool:
+    """A string or a sequence of token ids is one prompt; a list of those is a batch."""
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, torch.Tensor):
+        return prompt.dim() <= 1
+    return isinstance(prompt, Sequence) and all(isinstance(t, numbers.Integral) for t in prompt)
 
 
 class Engine:
@@ -65,6 +75,7 @@ class Engine:
         runner: ModelRunner,
         tokenizer: Tokenizer | None = None,
         manifest: Manifest | None = None,
+        scheduler_config: SchedulerConfig | None = None,
     ):
         self.config = config
         self.runner = runner
@@ -72,6 +83,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.manifest = manifest
         self.device = runner.device
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self._seq_ids = itertools.count()
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -86,17 +99,19 @@ class Engine:
         kv_cache_bytes: int | None = None,
         block_size: int = 16,
         launch: LaunchSpec | None = None,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> Engine:
         """Verify (sizes, and sha256 unless verify=False) and load an artifact; size the KV cache
         from `num_blocks`, else from `kv_cache_bytes` (default 1 GiB, capped at what four
-        sequences of max_position_embeddings tokens need). `launch` says how the ranks of a
-        multi-rank artifact find each other (see runner.make_runner)."""
+        sequences of max_position_embeddings tokens need), in the artifact's kv_cache_dtype.
+        `launch` says how the ranks of a multi-rank artifact find each other (see
+        runner.make_runner)."""
         manifest = Manifest.load(path)
         runner = make_runner(path, manifest, device, dtype, verify, launch=launch, num_blocks=num_blocks,
                              kv_cache_bytes=kv_cache_bytes, block_size=block_size)  # fmt: skip
         tok_dir = Path(path) / TOKENIZER_DIR
         tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
-        return cls(manifest.model, runner, tokenizer, manifest)
+        return cls(manifest.model, runner, tokenizer, manifest, scheduler_config)
 
     @classmethod
     def from_tensors(
@@ -109,12 +124,15 @@ class Engine:
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         block_size: int = 16,
+        kv_dtype: str = "bf16",
+        scheduler_config: SchedulerConfig | None = None,
     ) -> Engine:
         """An engine over in-memory tensors under mlac names (tests, tools); cast as the loader does."""
         tensors = {k: to_compute_dtype(k, t, dtype).to(device) for k, t in tensors.items()}
         model = DeepseekModel(config, Weights(tensors, source="tensors"))
-        cache = make_cache(config, device, dtype, num_blocks, kv_cache_bytes, block_size)
-        return cls(config, ModelRunner(model, cache), tokenizer)
+        cache = make_cache(config, device, dtype, num_blocks, kv_cache_bytes, block_size, kv_dtype)
+        runner = ModelRunner(model, cache)
+        return cls(config, runner, tokenizer, scheduler_config=scheduler_config)
 
     def close(self) -> None:
         """Stop what the engine started (the other ranks' processes of a multi-rank artifact)."""
@@ -178,115 +196,137 @@ class Engine:
             self.cache.allocator.free(table)
         return torch.cat(out)
 
-    # ---- generation --------------------------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """A string is encoded with bos prepended; a list of token ids is taken as it is."""
+    def encode_prompt(self, prompt: Prompt | torch.Tensor) -> list[int]:
+        """A string is encoded with bos prepended; token ids are taken as they are."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise MlacError("this engine has no tokenizer: pass token ids")
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            return [int(t) for t in prompt.tolist()]
         return [int(t) for t in prompt]
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-    ) -> Completion:
-        """Complete one prompt (greedy when temperature == 0)."""
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop or (),
-            stop_token_ids=stop_token_ids or (),
-            ignore_eos=ignore_eos,
-        )
-        return self.generate_batch([prompt], params)[0]
-
-    def generate_batch(
-        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[Completion]:
-        """Complete several prompts together: one prefill over all, then batched decode steps."""
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise MlacError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        reqs = [self._new_request(self.encode_prompt(p), sp) for p, sp in zip(prompts, plist, strict=True)]
-        try:
-            self._reserve(reqs)
-            logits = self._forward(
-                [r.block_table for r in reqs], [0] * len(reqs), [r.prompt_ids for r in reqs]
-            )
-            self._append(reqs, logits)
-            while active := [r for r in reqs if r.finish_reason is None]:
-                tables = [r.block_table for r in active]
-                logits = self._forward(
-                    tables, [r.num_tokens - 1 for r in active], [[r.output_ids[-1]] for r in active]
-                )
-                self._append(active, logits)
-        finally:
-            for r in reqs:
-                self.cache.allocator.free(r.block_table)
-        return [self._completion(r) for r in reqs]
-
-    def _new_request(self, ids: list[int], params: SamplingParams) -> _Request:
+    def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Seq:
+        """A validated request for a Scheduler (prompt in range, stop strings need a tokenizer)."""
+        ids = self.encode_prompt(prompt)
         self._check_prompt(ids)
         if params.stop and self.tokenizer is None:
             raise MlacError("stop strings need a tokenizer; this engine has none")
         detok = self.tokenizer.detokenizer(ids) if self.tokenizer is not None else None
-        return _Request(ids, params, make_generator(params.seed, self.device), detok)
+        return Seq(next(self._seq_ids), ids, params, make_generator(params.seed, self.device), detok)
 
-    def _reserve(self, reqs: list[_Request]) -> None:
+    def scheduler(self, config: SchedulerConfig | None = None) -> Scheduler:
+        """A fresh continuous-batching scheduler over this engine's runner and cache."""
+        return Scheduler(
+            self.runner, self.config.eos_token_ids, self.max_context, config or self.scheduler_config
+        )
+
+    @staticmethod
+    def _params(
+        n: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None, kwargs: dict
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams(**kwargs)] * n
+        if kwargs:
+            raise MlacError(f"give sampling_params or keyword arguments ({', '.join(kwargs)}), not both")
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        plist = list(sampling_params)
+        if len(plist) != n:
+            raise MlacError(f"{n} prompts but {len(plist)} SamplingParams")
+        return plist
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs,
+    ) -> Completion | list[Completion]:
+        """Complete one prompt (-> Completion) or a batch of prompts (-> [Completion]) through the
+        continuous-batching scheduler. Sampling comes from `sampling_params` (one for all, or one
+        per prompt) or from SamplingParams keyword arguments (max_tokens=16, temperature=0.0 i.e.
+        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs)."""
+        one = is_one_prompt(prompts)
+        batch = [prompts] if one else list(prompts)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in ("stop", "stop_token_ids")}
+        plist = self._params(len(batch), sampling_params, kwargs)
+        seqs = [self.new_sequence(p, sp) for p, sp in zip(batch, plist, strict=True)]
+        sched = self.scheduler()
+        for s in seqs:
+            sched.add(s)
+        try:
+            while sched.has_unfinished:
+                sched.step()
+        finally:
+            sched.abort_all()  # frees every block if a step failed
+        out = [self._completion(s) for s in seqs]
+        return out[0] if one else out
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, **kwargs
+    ) -> Iterator[Delta]:
+        """Deltas of one request as it is generated (text held back while it could still be a stop
+        string); the last delta carries finish_reason. Validation errors raise here, before the
+        first delta. Closing the iterator early frees the request's blocks."""
+        seq = self.new_sequence(prompt, self._params(1, sampling_params, kwargs)[0])
+        sched = self.scheduler()
+        sched.add(seq)
+        return self._stream(sched, seq)
+
+    @staticmethod
+    def _stream(sched: Scheduler, seq: Seq) -> Iterator[Delta]:
+        try:
+            while not seq.finished:
+                sched.step()
+                delta = seq.take_delta()
+                if delta.text or delta.token_ids or delta.finish_reason:
+                    yield delta
+        finally:
+            sched.abort_all()
+
+    def generate_batch(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """Lockstep reference: every request's blocks for its whole run reserved up front (an
+        error if they do not fit), one prefill over all prompts, then batched decode steps."""
+        seqs = [self.new_sequence(p, sp) for p, sp in zip(prompts, self._params(len(prompts), params, {}),
+                                                           strict=True)]  # fmt: skip
+        eos, ctx = self.config.eos_token_ids, self.max_context
+        try:
+            self._reserve(seqs)
+            logits = self._forward(
+                [s.block_table for s in seqs], [0] * len(seqs), [s.prompt_ids for s in seqs]
+            )
+            sample_next(seqs, logits, eos, ctx)
+            while active := [s for s in seqs if not s.finished]:
+                tables = [s.block_table for s in active]
+                logits = self._forward(
+                    tables, [s.num_tokens - 1 for s in active], [s.output_ids[-1:] for s in active]
+                )
+                sample_next(active, logits, eos, ctx)
+        finally:
+            for s in seqs:
+                self.cache.allocator.free(s.block_table)
+                s.block_table = []
+        return [self._completion(s) for s in seqs]
+
+    def _reserve(self, seqs: list[Seq]) -> None:
         """Blocks for each request's whole run up front (admission; no failure mid-generation)."""
         alloc = self.cache.allocator
-        need = [min(r.num_tokens + r.params.max_tokens, self.max_context) for r in reqs]
+        need = [min(s.num_tokens + s.params.max_tokens, self.max_context) for s in seqs]
         blocks = sum(alloc.blocks_for(n) for n in need)
         if blocks > alloc.num_free:
             raise MlacError(f"KV cache too small: {blocks} blocks needed, {alloc.num_free} free")
-        for r, n in zip(reqs, need, strict=True):
-            alloc.reserve(r.block_table, n)
+        for s, n in zip(seqs, need, strict=True):
+            alloc.reserve(s.block_table, n)
 
-    def _append(self, reqs: list[_Request], logits: torch.Tensor) -> None:
-        """Sample one token per request from its logits [B, V]; decide which requests finish."""
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
-        eos = set(self.config.eos_token_ids)
-        for r, t in zip(reqs, tokens, strict=True):
-            r.output_ids.append(t)
-            p = r.params
-            if t in p.stop_token_ids or (not p.ignore_eos and t in eos):
-                r.finish_reason = "stop"  # the stop token's text is not part of the completion
-                continue
-            new = r.detok.add(t) if r.detok is not None else ""
-            if new and p.stop:
-                r.stop_at = find_stop(r.detok.text, len(new), p.stop)
-            if r.stop_at is not None:
-                r.finish_reason = "stop"
-            elif len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_context:
-                r.finish_reason = "length"
-
-    def _completion(self, r: _Request) -> Completion:
-        if r.detok is None:
-            text = ""
-        elif r.stop_at is not None:
-            text = r.detok.text[: r.stop_at]
-        else:
-            r.detok.flush()
-            text = r.detok.text
-        return Completion(text, list(r.output_ids), r.finish_reason, len(r.prompt_ids), len(r.output_ids))
-
-
-def find_stop(text: str, new_chars: int, stops: Sequence[str]) -> int | None:
-    """Where the first stop string starts in `text`, looking only where the last `new_chars`
-    characters could have completed one (a stop string may straddle tokens)."""
-    start = max(0, len(text) - new_chars - max(len(s) for s in stops) + 1)
-    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None
+    @staticmethod
+    def _completion(s: Seq) -> Completion:
+        logprobs = list(s.logprobs) if s.params.logprobs is not None else None
+        return Completion(
+            s.text(), list(s.output_ids), s.finish_reason, len(s.prompt_ids), len(s.output_ids), logprobs
+        )

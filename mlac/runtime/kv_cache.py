@@ -7,6 +7,9 @@ A sequence owns a block table (a list of block ids); token `p` of the sequence l
 
 A scheduler drives it with three calls: `cache.allocator.reserve(table, n_tokens)` before a step,
 `ForwardBatch.build(...)` for the step, `cache.allocator.free(table)` when a sequence ends.
+
+The stored dtype is the artifact's `kv_cache_dtype`: the compute dtype, or FP8 (e4m3 / e5m2)
+with a static float32 scale per layer (see PagedKVCache).
 """
 
 from __future__ import annotations
@@ -64,8 +67,32 @@ class BlockAllocator:
             table.extend(self.alloc(need))
 
 
+KV_DTYPES: dict[str, torch.dtype | None] = {
+    "bf16": None,  # unquantized: the model's compute dtype (bf16 in production, fp32 in tests)
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+DEFAULT_KV_SCALE = 1.0
+
+
+def kv_storage_dtype(kv_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The element dtype a cache of `kv_dtype` (a manifest's options.kv_cache_dtype) stores."""
+    if kv_dtype not in KV_DTYPES:
+        raise MlacError(f"unknown KV cache dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[kv_dtype] or compute_dtype
+
+
 class PagedKVCache:
-    """Per-layer latent pools [num_blocks, block_size, kv_lora + rope] and their allocator."""
+    """Per-layer latent pools [num_blocks, block_size, kv_lora + rope] and their allocator.
+
+    `kv_dtype` (the artifact's `options.kv_cache_dtype`) picks the stored element type: "bf16"
+    stores the compute dtype as it is; "fp8_e4m3" / "fp8_e5m2" store FP8 with one static float32
+    scale per layer (`scales[layer]`, a one-element tensor: value = stored * scale, the
+    `kv_scale` contract of kernels/mla_decode.py). Writes quantize (divide by the scale, clamp to
+    the format's finite range, round); reads dequantize to the compute dtype. The scale defaults
+    to 1.0: kv_norm'ed latents and roped keys sit well inside e4m3's range (|x| <= 448), and a
+    static scale keeps a token's stored bytes independent of what else is in the cache.
+    """
 
     def __init__(
         self,
@@ -74,19 +101,30 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        kv_dtype: str = "bf16",
+        kv_scale: float = DEFAULT_KV_SCALE,
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dim = config.kv_latent_dim
+        self.dtype = dtype  # compute dtype: what read() returns
+        self.kv_dtype = kv_dtype
+        self.storage_dtype = kv_storage_dtype(kv_dtype, dtype)
+        self.quantized = KV_DTYPES[kv_dtype] is not None
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.layers = [
-            torch.zeros(num_blocks, block_size, self.dim, dtype=dtype, device=device)
+            torch.zeros(num_blocks, block_size, self.dim, dtype=self.storage_dtype, device=device)
             for _ in range(config.num_hidden_layers)
         ]
+        n = config.num_hidden_layers
+        self.scales = [torch.full((1,), kv_scale, dtype=torch.float32, device=device) for _ in range(n)]
+        self._finite_max = torch.finfo(self.storage_dtype).max if self.quantized else None
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "bf16"
+    ) -> int:
+        itemsize = torch.empty((), dtype=kv_storage_dtype(kv_dtype, dtype)).element_size()
         return config.num_hidden_layers * block_size * config.kv_latent_dim * itemsize
 
     @classmethod
@@ -97,24 +135,43 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        kv_dtype: str = "bf16",
     ) -> PagedKVCache:
         """As many blocks as fit in `num_bytes` (at least one)."""
-        num_blocks = num_bytes // cls.bytes_per_block(config, block_size, dtype)
+        num_blocks = num_bytes // cls.bytes_per_block(config, block_size, dtype, kv_dtype)
         if num_blocks < 1:
             raise MlacError(f"KV cache budget of {num_bytes} bytes holds no block of {block_size} tokens")
-        return cls(config, int(num_blocks), block_size, dtype, device)
+        return cls(config, int(num_blocks), block_size, dtype, device, kv_dtype)
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (0..1)."""
+        return 1.0 - self.allocator.num_free / self.num_blocks
+
+    def kv_scale(self, layer: int) -> torch.Tensor | None:
+        """The float32 [1] scale of `layer` of an FP8 cache (mla_decode's kv_scale), else None."""
+        return self.scales[layer] if self.quantized else None
+
     def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        """latent [T, kv_lora + rope] -> the token slots [T] of `layer`."""
-        self.layers[layer].view(-1, self.dim).index_copy_(0, slots, latent.to(self.layers[layer].dtype))
+        """latent [T, kv_lora + rope] -> the token slots [T] of `layer` (quantized for an FP8 cache)."""
+        dst = self.layers[layer].view(-1, self.dim)
+        if not self.quantized:
+            dst.index_copy_(0, slots, latent.to(self.storage_dtype))
+            return
+        m = self._finite_max  # NOTE: an FP8 cast of an out-of-range value gives NaN, not saturation
+        q = (latent.float() / self.scales[layer]).clamp_(-m, m).to(self.storage_dtype)
+        dst.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))  # no FP8 index_copy_ on CPU
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The entries [N, kv_lora + rope] at token slots [N] of `layer`."""
-        return self.layers[layer].view(-1, self.dim)[slots]
+        """The entries [N, kv_lora + rope] at token slots [N] of `layer`, in the compute dtype."""
+        stored = self.layers[layer].view(-1, self.dim)[slots]
+        if self.quantized:
+            return (stored.float() * self.scales[layer]).to(self.dtype)
+        return stored
 
 
 @dataclass(frozen=True)

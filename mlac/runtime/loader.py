@@ -1,7 +1,10 @@
 """Strict artifact loading: verify files, then load one rank's tensors exactly as the manifest says.
 
-The only conversion at load time: non-FP8 floating tensors are cast to the compute dtype.
-FP8 weights stay FP8; their block scales and the router's correction bias stay float32.
+A rank reads only its own files (its `rank-XXXXX-of-YYYYY/` folder; rank 0 also the shared files
+such as the tokenizer): the ranks of a multi-rank artifact load in parallel, each hashing and
+reading its own slice. The only conversion at load time: non-FP8 floating tensors are cast to
+the compute dtype. FP8 weights stay FP8; their block scales and the router's correction bias
+stay float32.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mlac.artifact import Manifest, TensorEntry, check_inside, verify_files
+from mlac.artifact import FileEntry, Manifest, TensorEntry, check_inside, sha256_file
 from mlac.errors import MlacError
 
 KEEP_FLOAT32 = (".scale", ".gate_bias")  # tensor contract: float32 whatever the compute dtype
@@ -25,19 +28,26 @@ class LoadedRank:
     tensors: dict[str, torch.Tensor]
 
 
-def check_files(root: Path, manifest: Manifest, verify: bool = True) -> None:
-    """Every manifest file exists with its size; with `verify`, its sha256 too (the tamper check)."""
-    if verify:
-        verify_files(root, manifest)
-        return
-    for entry in manifest.files:
+def rank_files(manifest: Manifest, rank: int) -> list[FileEntry]:
+    """The files rank `rank` reads: its own folder; rank 0 also every file outside the rank folders."""
+    own = manifest.rank_dir(rank) + "/"
+    shared = lambda path: not path.startswith("rank-")  # noqa: E731 (tokenizer/, tuning/, cache/)
+    return [f for f in manifest.files if f.path.startswith(own) or (rank == 0 and shared(f.path))]
+
+
+def check_files(root: Path, manifest: Manifest, verify: bool = True, rank: int | None = None) -> None:
+    """Every file of `rank` (of every rank if None) exists with its size; with `verify`, its sha256
+    too (the tamper check)."""
+    entries = manifest.files if rank is None else rank_files(manifest, rank)
+    for entry in entries:
         path = root / entry.path
         if not path.is_file():
             raise MlacError(f"{entry.path}: missing from the artifact")
-        if path.stat().st_size != entry.size:
-            raise MlacError(
-                f"{entry.path}: size {path.stat().st_size} does not match the manifest ({entry.size})"
-            )
+        size = path.stat().st_size
+        if size != entry.size:
+            raise MlacError(f"{entry.path}: size {size} does not match the manifest ({entry.size})")
+        if verify and sha256_file(path) != entry.sha256:
+            raise MlacError(f"{entry.path}: sha256 does not match the manifest (file modified or corrupt)")
 
 
 def load_artifact(
@@ -54,7 +64,7 @@ def load_artifact(
         raise MlacError(
             f"{root}: rank {rank} out of range (the artifact has {len(manifest.tensors)} rank(s))"
         )
-    check_files(root, manifest, verify)
+    check_files(root, manifest, verify, rank)
     expected = manifest.tensors[rank]
     by_file: dict[str, dict[str, TensorEntry]] = {}
     for name, entry in expected.items():
@@ -67,12 +77,15 @@ def load_artifact(
 
 
 def _check_rank_files(root: Path, manifest: Manifest, rank: int, by_file: dict[str, dict]) -> None:
-    """Tensor files must be hashed in the manifest; the rank folder must hold no other tensor file."""
-    hashed = {entry.path for entry in manifest.files}
+    """Tensor files must be hashed in the manifest, among the files this rank checked; the rank
+    folder must hold no other tensor file."""
+    hashed = {entry.path for entry in rank_files(manifest, rank)}
     for rel in by_file:
         check_inside(rel, root / "manifest.json")
         if rel not in hashed:
-            raise MlacError(f"{rel}: holds tensors but is not listed (hashed) in the manifest's files")
+            raise MlacError(
+                f"{rel}: holds tensors but is not listed (hashed) in the manifest's files of rank {rank}"
+            )
     rank_dir = root / manifest.rank_dir(rank)
     for p in sorted(rank_dir.glob("*.safetensors")) if rank_dir.is_dir() else []:
         rel = p.relative_to(root).as_posix()

@@ -6,6 +6,13 @@ D hidden, C = kv_lora (latent), R = rope dims, `nope`/`v` per-head dims.
 Attention reads and writes the paged latent cache (kv_cache.py): each token caches
 `kv_norm(latent) ‖ rope(k_rope)` [C + R]. Prefill/extend decompresses K and V per head from the
 latents (MHA form); decode stays in latent space (absorbed form: MQA over the latents).
+
+Parallel (parallel.py, slices as the shard pass cut them): each of the tp ranks runs
+`n_local_heads = H / tp` heads and its slice of every MLP, and either a slice of every routed
+expert (ep == 1) or E / tp whole experts (ep == tp). The latent projections, norms and router are
+replicated, so every rank caches the same latents and routes identically. Per layer there is one
+all-reduce after attention (`wo`) and one after the MLP or MoE; the embedding all-reduces and the
+head all-gathers the logits. With tp == 1 these are identities.
 """
 
 from __future__ import annotations
@@ -20,18 +27,27 @@ from mlac.kernels.mla_decode import mla_decode
 from mlac.kernels.moe import fused_moe, route_ref
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Linear, RMSNorm, RotaryEmbedding, Weights, apply_rope, take_weight
+from mlac.runtime.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelContext,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce,
+)
 
 LATENT_NORM_EPS = 1e-6  # q_norm / kv_norm: transformers' q_a_layernorm / kv_a_layernorm default
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention of one layer."""
+    """Multi-head latent attention of one layer: this rank's heads, `wo` all-reduced over the ranks."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, layer: int):
+    def __init__(self, config: ModelConfig, weights: Weights, layer: int, ctx: ParallelContext = SINGLE):
         super().__init__()
         p = f"layers.{layer}.attn"
         self.layer = layer
-        self.n_heads = config.num_attention_heads
+        self.n_local_heads = ctx.local(config.num_attention_heads, "num_attention_heads")
         self.nope, self.rope, self.v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora = config.kv_lora_rank
         self.q_lora = config.q_lora_rank
@@ -39,26 +55,26 @@ class MLAttention(nn.Module):
         if self.q_lora is not None:
             self.w_qkv_a = Linear(weights, f"{p}.w_qkv_a")  # rows: q_a ‖ kv_a ‖ k_rope
             self.q_norm = RMSNorm(weights, f"{p}.q_norm", LATENT_NORM_EPS)
-            self.wq_b = Linear(weights, f"{p}.wq_b")
+            self.wq_b = ColumnParallelLinear(weights, f"{p}.wq_b", ctx)  # this rank's heads
         else:
-            self.wq = Linear(weights, f"{p}.wq")
+            self.wq = ColumnParallelLinear(weights, f"{p}.wq", ctx)  # this rank's heads
             self.w_kv_a = Linear(weights, f"{p}.w_kv_a")  # rows: kv_a ‖ k_rope
         self.kv_norm = RMSNorm(weights, f"{p}.kv_norm", LATENT_NORM_EPS)
-        self.register_buffer("w_kc", weights.take(f"{p}.w_kc"), persistent=False)  # [H, nope, C]
-        self.register_buffer("w_vc", weights.take(f"{p}.w_vc"), persistent=False)  # [H, C, v]
-        self.wo = Linear(weights, f"{p}.wo")
+        self.register_buffer("w_kc", weights.take(f"{p}.w_kc"), persistent=False)  # [H_local, nope, C]
+        self.register_buffer("w_vc", weights.take(f"{p}.w_vc"), persistent=False)  # [H_local, C, v]
+        self.wo = RowParallelLinear(weights, f"{p}.wo", ctx)  # [D, H_local·v] -> all-reduce
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> q_nope [T, H, nope], roped q_rope [T, H, R], cache entry [T, C + R]."""
+        """x [T, D] -> q_nope [T, H_local, nope], roped q_rope [T, H_local, R], cache entry [T, C + R]."""
         if self.q_lora is not None:
             q_a, kv_a, k_rope = self.w_qkv_a(x).split([self.q_lora, self.kv_lora, self.rope], dim=-1)
             q = self.wq_b(self.q_norm(q_a))
         else:
             q = self.wq(x)
             kv_a, k_rope = self.w_kv_a(x).split([self.kv_lora, self.rope], dim=-1)
-        q_nope, q_rope = q.view(x.shape[0], self.n_heads, -1).split([self.nope, self.rope], dim=-1)
+        q_nope, q_rope = q.view(x.shape[0], self.n_local_heads, -1).split([self.nope, self.rope], dim=-1)
         latent = torch.cat([self.kv_norm(kv_a), apply_rope(k_rope, cos, sin)], dim=-1)
         return q_nope, apply_rope(q_rope, cos, sin), latent
 
@@ -76,60 +92,73 @@ class MLAttention(nn.Module):
             o = self.decode(q_nope, q_rope, batch, cache)
         else:
             o = self.extend(q_nope, q_rope, batch, cache)
-        return self.wo(o.flatten(1).to(x.dtype))
+        return self.wo(o.flatten(1).to(x.dtype))  # row-parallel: all-reduced over the ranks
 
     def decode(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
     ) -> torch.Tensor:
-        """Absorbed form, one new token per sequence: MQA over the paged latents -> [B, H, v]."""
-        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, self.w_kc).contiguous()  # [B, H, C]
-        kv = cache.layers[self.layer]
-        o_lat = mla_decode(q_lat, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale)  # [B, H, C]
+        """Absorbed form, one new token per sequence: MQA over the paged latents -> [B, H_local, v].
+        An FP8 cache is read with its per-layer scale."""
+        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, self.w_kc).contiguous()  # [B, H_local, C]
+        kv, kv_scale = cache.layers[self.layer], cache.kv_scale(self.layer)  # [blocks, block_size, C + R]
+        o_lat = mla_decode(q_lat, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale, kv_scale)
         return torch.einsum("bhc,hcv->bhv", o_lat, self.w_vc)
 
     def extend(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
     ) -> torch.Tensor:
-        """MHA form (prefill, or extend after a cached prefix), causal -> [T, H, v].
+        """MHA form (prefill, or extend after a cached prefix), causal -> [T, H_local, v].
 
         K and V are decompressed from every sequence's cached latents (prefix and new tokens)."""
         kv = cache.read(self.layer, batch.kv_slots)  # [S, C + R], all sequences packed
         latent, k_rope = kv.split([self.kv_lora, self.rope], dim=-1)
-        k_nope = torch.einsum("sc,hdc->shd", latent, self.w_kc)  # [S, H, nope]
-        v = torch.einsum("sc,hcv->shv", latent, self.w_vc).contiguous()  # [S, H, v]
-        k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.n_heads, -1)], dim=-1)  # [S, H, nope + R]
-        q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
+        k_nope = torch.einsum("sc,hdc->shd", latent, self.w_kc)  # [S, H_local, nope]
+        v = torch.einsum("sc,hcv->shv", latent, self.w_vc).contiguous()  # [S, H_local, v]
+        k_rope = k_rope[:, None, :].expand(-1, self.n_local_heads, -1)
+        k = torch.cat([k_nope, k_rope], dim=-1)  # [S, H_local, nope + R]
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H_local, nope + R]
         return extend_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, self.scale)
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP: w2(silu(gate) * up), gate/up = halves of w13(x). Dense layers, shared experts."""
+    """SiLU-gated MLP: w2(silu(gate) * up), gate/up = halves of w13(x). Dense layers, shared experts.
 
-    def __init__(self, weights: Weights, prefix: str):
+    Column-parallel w13 (this rank's gate rows, then its up rows), row-parallel w2: all-reduced,
+    or left a partial sum with `reduce=False` (shared experts, summed into the MoE's reduce)."""
+
+    def __init__(self, weights: Weights, prefix: str, ctx: ParallelContext = SINGLE, reduce: bool = True):
         super().__init__()
-        self.w13 = Linear(weights, f"{prefix}.w13")  # [2I, D]: gate rows, then up rows
-        self.w2 = Linear(weights, f"{prefix}.w2")  # [D, I]
+        self.w13 = ColumnParallelLinear(weights, f"{prefix}.w13", ctx)  # [2I_local, D]
+        self.w2 = RowParallelLinear(weights, f"{prefix}.w2", ctx, reduce)  # [D, I_local]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate, up = self.w13(x).chunk(2, dim=-1)  # [T, I_local] each
         return self.w2(F.silu(gate) * up)
 
 
 class MoE(nn.Module):
-    """Routed experts (float32 router, `route_ref`, `fused_moe`) plus the shared experts."""
+    """Routed experts (float32 router, `route_ref`, `fused_moe`) plus the shared experts.
 
-    def __init__(self, config: ModelConfig, weights: Weights, layer: int):
+    The router is replicated: every rank routes every token identically. ep == 1: each rank holds
+    a slice of every expert; ep == tp: rank r holds experts [r·E/tp, (r+1)·E/tp) whole, and the ids
+    of the others fall outside [0, n_local_experts), which fused_moe skips. Either way each rank's
+    output is a partial sum: routed and shared partials are added, then all-reduced once."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, layer: int, ctx: ParallelContext = SINGLE):
         super().__init__()
         p = f"layers.{layer}.moe"
         self.config = config
+        self.ctx = ctx
+        self.n_local_experts = config.n_routed_experts // ctx.ep
+        self.first_expert = ctx.rank * self.n_local_experts if ctx.ep > 1 else 0
         self.register_buffer("gate", weights.take(f"{p}.gate"), persistent=False)  # [E, D]
         bias = weights.take(f"{p}.gate_bias") if config.topk_method == "noaux_tc" else None
         self.register_buffer("gate_bias", bias, persistent=False)  # [E] float32
-        w13, w13_scale = take_weight(weights, f"{p}.w13")  # [E, 2I, D]
-        w2, w2_scale = take_weight(weights, f"{p}.w2")  # [E, D, I]
+        w13, w13_scale = take_weight(weights, f"{p}.w13")  # [E_local, 2I_local, D]
+        w2, w2_scale = take_weight(weights, f"{p}.w2")  # [E_local, D, I_local]
         for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
             self.register_buffer(name, t, persistent=False)
-        self.shared = MLP(weights, f"{p}.shared") if config.n_shared_experts > 0 else None
+        self.shared = MLP(weights, f"{p}.shared", ctx, reduce=False) if config.n_shared_experts > 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         c = self.config
@@ -145,20 +174,22 @@ class MoE(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
             bias=self.gate_bias,
         )
-        y = fused_moe(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale)
+        local_ids = ids - self.first_expert  # ids of other ranks' experts fall outside [0, E_local)
+        y = fused_moe(x, self.w13, self.w2, weights, local_ids, self.w13_scale, self.w2_scale)  # partial
         if self.shared is not None:
-            y = y + self.shared(x)
-        return y
+            y = y + self.shared(x)  # partial
+        return all_reduce(y, self.ctx)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: Weights, layer: int):
+    def __init__(self, config: ModelConfig, weights: Weights, layer: int, ctx: ParallelContext = SINGLE):
         super().__init__()
         p = f"layers.{layer}"
         self.attn_norm = RMSNorm(weights, f"{p}.attn_norm", config.rms_norm_eps)
-        self.attn = MLAttention(config, weights, layer)
+        self.attn = MLAttention(config, weights, layer, ctx)
         self.ffn_norm = RMSNorm(weights, f"{p}.ffn_norm", config.rms_norm_eps)
-        self.ffn = MoE(config, weights, layer) if config.is_moe_layer(layer) else MLP(weights, f"{p}.mlp")
+        moe = config.is_moe_layer(layer)
+        self.ffn = MoE(config, weights, layer, ctx) if moe else MLP(weights, f"{p}.mlp", ctx)
 
     def forward(
         self,
@@ -173,32 +204,41 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    """Embedding, decoder layers, final norm, LM head. Built from (and consumes) every tensor of a rank."""
+    """Embedding, decoder layers, final norm, LM head. Built from (and consumes) every tensor of a rank.
 
-    def __init__(self, config: ModelConfig, weights: Weights):
+    `ctx` says which rank of which plan the tensors are (parallel.py); every rank of a plan runs
+    the same forward in step, so that the collectives line up."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.config = config
-        self.register_buffer("embed", weights.take("embed"), persistent=False)  # [V, D]
-        self.layers = nn.ModuleList(DecoderLayer(config, weights, i) for i in range(config.num_hidden_layers))
+        self.ctx = ctx
+        self.embed = VocabParallelEmbedding(weights, "embed", config.vocab_size, ctx)  # [V_local, D]
+        layers = (DecoderLayer(config, weights, i, ctx) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(weights, "norm", config.rms_norm_eps)
-        self.head = Linear(weights, "head")  # [V, D]
-        self.rope = RotaryEmbedding(config, device=self.embed.device)
+        self.head = ParallelLMHead(weights, "head", ctx)  # [V_local, D]
+        self.rope = RotaryEmbedding(config, device=self.device)
         weights.finish()
 
     @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.embed.weight.dtype
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """token_ids [T] (packed as `batch` says) -> final-normed hidden states [T, D]."""
         cos, sin = self.rope.cos_sin(batch.positions)  # [T, R] float32
-        x = F.embedding(token_ids, self.embed)
+        x = self.embed(token_ids)  # vocab-parallel: all-reduced over the ranks
         for layer in self.layers:
             x = layer(x, cos, sin, batch, cache)
         return self.norm(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, V] float32."""
+        """hidden [N, D] -> logits [N, V] float32 (the whole vocabulary, all-gathered on every rank)."""
         return self.head(hidden).float()

@@ -1,11 +1,17 @@
-"""Sampling parameters (validated, frozen) and the sampler: greedy, temperature, top-k, top-p.
+"""Sampling parameters (validated, frozen) and the sampler: greedy, temperature, top-k, top-p, min-p,
+and log-probabilities with top alternatives.
 
 Each request may carry a seed: its own torch.Generator then makes the same request give the same
-tokens whatever else shares the batch.
+tokens whatever else shares the batch (a row's filters and its draw depend only on its own logits
+and generator).
+
+Logprobs are those of the model's distribution (log_softmax of the raw logits, before temperature
+and the filters), as vLLM and OpenAI report them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -13,52 +19,92 @@ import torch
 
 from mlac.errors import MlacError
 
+MAX_LOGPROBS = 20  # most top alternatives per token (OpenAI's top_logprobs limit)
+
 
 class InvalidSamplingParams(MlacError, ValueError):
-    """A sampling parameter out of range (a ValueError for Python callers, an MlacError for the CLI)."""
+    """A sampling parameter out of range (a ValueError for Python callers, an MlacError for the CLI).
+
+    `param` names the offending field (the OpenAI error's "param")."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. `stop` strings end
+    temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 switch those filters off (min_p keeps
+    tokens whose probability is at least min_p times the most likely one's). `stop` strings end
     the completion (the text is cut before the stop string); `stop_token_ids` and the model's
-    eos tokens (unless ignore_eos) end it too.
+    eos tokens (unless ignore_eos) end it too. `logprobs` = n returns, for every generated
+    token, its log-probability and the n most likely alternatives (None: no logprobs).
     """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        lp, seed = self.logprobs, self.seed
         checks = [
+            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (_is_real(self.temperature) and self.temperature >= 0, "temperature", ">= 0"),
+            (_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]"),
+            (_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 turns it off)"),
+            (_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1] (0 turns it off)"),
             (
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                "max_tokens",
-                self.max_tokens,
-                ">= 1",
+                seed is None or (_is_int(seed) and -(2**63) <= seed < 2**64),
+                "seed",
+                "an integer in [-2**63, 2**64)",
             ),
-            (self.temperature >= 0, "temperature", self.temperature, ">= 0"),
-            (0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, ">= 0 (0 turns it off)"),
-            (all(s for s in stop), "stop", stop, "non-empty strings"),
+            (all(isinstance(s, str) and s for s in stop), "stop", "non-empty strings"),
+            (
+                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "non-negative integers",
+            ),
+            (lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS), "logprobs", f"in [0, {MAX_LOGPROBS}]"),
         ]
-        for ok, name, value, want in checks:
+        for ok, name, want in checks:
             if not ok:
-                raise InvalidSamplingParams(f"sampling parameter {name}={value!r}: must be {want}")
+                value = getattr(self, name)
+                raise InvalidSamplingParams(
+                    f"sampling parameter {name}={value!r}: must be {want}", param=name
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -84,6 +130,13 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], min_p [B] -> drop tokens less likely than min_p x the row's most likely one."""
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -99,10 +152,37 @@ def sample(
     if not rows:
         return out
     dev = logits.device
-    x = logits[rows].float() / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
-    x = apply_top_k(x, torch.tensor([params[i].top_k for i in rows], device=dev))
-    x = apply_top_p(x, torch.tensor([params[i].top_p for i in rows], device=dev))
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[i], name) for i in rows], device=dev)
+
+    x = logits[rows].float() / per_row("temperature").float()[:, None]
+    x = apply_top_k(x, per_row("top_k"))
+    x = apply_top_p(x, per_row("top_p").float())
+    if any(params[i].min_p > 0 for i in rows):
+        x = apply_min_p(x, per_row("min_p").float())
     probs = x.softmax(dim=-1)
     for j, i in enumerate(rows):
         out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return out
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """logits [B, V], the sampled token_ids [B], alternatives wanted per row (None: no logprobs)
+    -> each row's TokenLogprob (None where not asked)."""
+    rows = [i for i, n in enumerate(num_top) if n is not None]
+    out: list[TokenLogprob | None] = [None] * len(num_top)
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
+    chosen = lp.gather(1, token_ids[rows].to(lp.device)[:, None])[:, 0].tolist()
+    k = max(num_top[i] for i in rows)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = num_top[i]
+        top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        out[i] = TokenLogprob(int(token_ids[i]), chosen[j], top)
     return out

@@ -57,8 +57,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own, special tokens included (logprobs). A token that holds part
+        of a UTF-8 character shows as U+FFFD."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the checkpoint's template (sandboxed jinja2, as transformers)."""
+        """Render chat messages with the checkpoint's template (sandboxed jinja2, as transformers).
+        A template that refuses the messages raises jinja2's TemplateError."""
         if self.chat_template is None:
             raise MlacError("this artifact's tokenizer has no chat_template")
         if self._template is None:

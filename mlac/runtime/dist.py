@@ -1,0 +1,412 @@
+"""The ranks of a multi-rank artifact: who runs where, how they meet, how rank 0 drives them.
+
+One process per rank. Three ways to start them, one code path (runner.make_runner):
+
+    one machine      the process that loads the artifact becomes rank 0 and spawns ranks 1..tp-1
+    --nnodes N       each node's process spawns its tp/N local ranks: global rank
+                     node_rank·(tp/N) + local rank; node 0's first process is rank 0
+    torchrun         every process is started by torchrun (env RANK, WORLD_SIZE, LOCAL_RANK,
+                     MASTER_ADDR, MASTER_PORT) and spawns nothing
+
+Rendezvous goes through a TCPStore (rank 0 hosts it; under torchrun, torchrun's). Besides the
+process groups, the store carries the control protocol:
+
+    joined/<r>   rank r reached the store; rank 0 opens the process groups only when all have
+    loaded/<r>   rank r built its model and KV cache; the value (manifest digest, dtype, cache
+                 geometry) must equal rank 0's
+    go           "run" once every rank loaded, "abort" when one failed (the others then exit)
+    error/<r>    rank r failed: "<sequence>:<message>"; the lowest sequence is the first failure
+
+Rank 0 polls these and the liveness of the processes it spawned, so a rank that fails or dies
+while loading stops the launch with its message instead of a hang. During steps a dead peer
+breaks the collectives; rank 0 then reads the store (and exit codes) to name the failed rank.
+
+Each step rank 0 broadcasts a header and a payload of int64 over a gloo group of its own (CPU,
+no timeout: ranks wait there while the server idles); the model's collectives run on the
+default group (gloo on CPU, NCCL on CUDA) with the launch timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mlac.artifact import ParallelPlan
+from mlac.errors import MlacError
+from mlac.runtime.kv_cache import ForwardBatch
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+IDLE_TIMEOUT = timedelta(days=3650)  # followers wait for the next step as long as the server lives
+POLL_S = 0.02
+FAILURE_GRACE_S = 1.0  # after a broken collective: how long to wait for a rank to report why
+STOP, STEP = 0, 1  # header opcodes
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How the processes of a multi-rank artifact find each other (torch.distributed rendezvous).
+
+    One node (nnodes 1): ranks meet on a free port of 127.0.0.1 and master_* is not used. Several
+    nodes: run the same command on each node with its node_rank; master_addr:master_port is
+    where node 0's rank 0 listens. `timeout_s` bounds the start (meeting and loading) and each
+    collective."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class World:
+    """Where one process sits: its global rank, the world, its node's ranks, how to meet."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int  # ranks on this node
+    master_addr: str
+    master_port: int  # 0: rank 0's store picks a free port (one node)
+    timeout_s: float = 600.0
+    torchrun: bool = False
+
+    @property
+    def spawns_local_ranks(self) -> bool:
+        """Whether this process starts the other ranks of its node (not under torchrun)."""
+        return not self.torchrun and self.local_rank == 0 and self.local_size > 1
+
+    def local_peer(self, local_rank: int) -> World:
+        return replace(self, rank=self.rank - self.local_rank + local_rank, local_rank=local_rank)
+
+
+def plan_world(
+    plan: ParallelPlan, launch: LaunchSpec | None = None, env: Mapping[str, str] = os.environ
+) -> World:
+    """This process's place in the world the artifact needs; refuse a launch that does not fit it."""
+    need, timeout = plan.world_size, (launch or LaunchSpec()).timeout_s
+    ranks = f"tp={plan.tp} ({need} rank{'s' if need > 1 else ''})"
+    if all(k in env for k in TORCHRUN_ENV):
+        size, rank, local_rank = int(env["WORLD_SIZE"]), int(env["RANK"]), int(env["LOCAL_RANK"])
+        if size != need:
+            raise MlacError(f"artifact compiled for {ranks}; this launch has {size}")
+        if not 0 <= rank < size:
+            raise MlacError(f"RANK={rank} out of range for WORLD_SIZE={size}")
+        local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        return World(rank, size, local_rank, local_size, addr, port, timeout, torchrun=True)
+    launch = launch or LaunchSpec()
+    if launch.nnodes < 1 or not 0 <= launch.node_rank < launch.nnodes:
+        raise MlacError(f"node rank {launch.node_rank} out of range for {launch.nnodes} node(s)")
+    if need % launch.nnodes:
+        raise MlacError(f"artifact compiled for {ranks} cannot be split evenly over {launch.nnodes} nodes")
+    local = need // launch.nnodes
+    if launch.nnodes == 1:
+        return World(0, need, 0, local, "127.0.0.1", 0, timeout)
+    rank0 = launch.node_rank * local
+    return World(rank0, need, 0, local, launch.master_addr, launch.master_port, timeout)
+
+
+def rank_device(world: World, device: torch.device | str) -> torch.device:
+    """The device of a rank: cuda:<local rank> for CUDA ("cuda" or "cuda:<its local rank>"), else as given."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return d
+    if d.index is not None and d.index != world.local_rank:
+        where = f"cuda:{world.local_rank}"
+        raise MlacError(f"device {d}: rank {world.rank} of a multi-rank artifact runs on {where}; say 'cuda'")
+    return torch.device("cuda", world.local_rank)
+
+
+def check_devices(world: World, device: torch.device | str, gpus: int | None = None) -> None:
+    """Refuse a CUDA launch whose node has fewer GPUs than it has ranks (one GPU per rank)."""
+    if torch.device(device).type != "cuda":
+        return
+    have = torch.cuda.device_count() if gpus is None else gpus
+    if world.local_size > have:
+        nodes = world.size // world.local_size
+        plan = f"tp={world.size}" if nodes == 1 else f"tp={world.size} over {nodes} nodes"
+        raise MlacError(f"artifact needs {world.local_size} GPUs ({plan}), this machine has {have}")
+
+
+def launches_rank_0(launch: LaunchSpec | None = None, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process becomes rank 0 (the one that gets a runner back and serves), before
+    any artifact is read: not a torchrun process of RANK > 0, not a node of node_rank > 0. The
+    others run their ranks inside make_runner, which ends their process."""
+    if all(k in env for k in TORCHRUN_ENV):
+        return int(env["RANK"]) == 0
+    return launch is None or launch.node_rank == 0
+
+
+def end_process(world: World, code: int) -> NoReturn:
+    """End a rank's process after it left the group. A spawned rank skips interpreter teardown
+    (seconds of freeing modules that nobody waits for); a process the user started exits normally,
+    unless this is not its main thread (sys.exit would end only the thread)."""
+    spawned = world.local_rank != 0 and not world.torchrun
+    if spawned or threading.current_thread() is not threading.main_thread():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc) if isinstance(exc, MlacError) else f"{type(exc).__name__}: {exc}"
+    return text[:4000]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+class RankGroup:
+    """This process's membership in the world: rendezvous store, process groups, the processes it
+    spawned, and the failure protocol (module docstring). Rank 0 drives; the others follow."""
+
+    def __init__(self, world: World, store: dist.Store, procs: dict[int, Any]):
+        self.world = world
+        self.store = store  # NOTE: on rank 0 (not under torchrun) this object is the store's server
+        self.ctl = dist.PrefixStore("mlac/ctl", store)
+        self.procs = procs  # global rank -> the local process running it (spawned by this process)
+        self.control: dist.ProcessGroup | None = None  # gloo group of the step broadcasts
+        self.failed: str | None = None  # why the group stopped (rank 0)
+        self.closed = False
+
+    # ---- start -------------------------------------------------------------------------------
+
+    @classmethod
+    def join(cls, world: World, target: Callable[..., Any], args: tuple = ()) -> RankGroup:
+        """Open the store and, on a node's first process, spawn the node's other ranks, each
+        running `target(*args, world_of_that_rank)` in a fresh interpreter (spawn, daemonic)."""
+        if dist.is_initialized():  # NOTE: the model's collectives use torch.distributed's default group
+            raise MlacError("a multi-rank runner is already running in this process; close() it first")
+        store = open_store(world)
+        if world.rank == 0 and world.master_port == 0:
+            world = replace(world, master_port=store.port)  # the free port rank 0's store took
+        procs = {}
+        if world.spawns_local_ranks:
+            ctx = mp.get_context("spawn")
+            for i in range(1, world.local_size):
+                peer = world.local_peer(i)
+                p = ctx.Process(target=target, args=(*args, peer), name=f"mlac-rank-{peer.rank}", daemon=True)
+                p.start()
+                procs[peer.rank] = p
+        return cls(world, store, procs)
+
+    def start(
+        self, device: torch.device, build: Callable[[dist.ProcessGroup], Any], geometry: Callable[[Any], str]
+    ):
+        """Meet the other ranks, build this rank's part with the process group, return it once every
+        rank has built theirs. Any rank's failure raises MlacError here on rank 0, naming it."""
+        w = self.world
+        try:
+            if w.rank == 0:
+                self._wait_all("joined")
+            else:
+                self.ctl.set(f"joined/{w.rank}", "1")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            timeout = timedelta(seconds=w.timeout_s)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(
+                "mlac/pg", self.store), rank=w.rank, world_size=w.size, timeout=timeout)  # fmt: skip
+            self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+            part = build(dist.group.WORLD)
+            if w.rank == 0:
+                self._wait_all("loaded", expect=geometry(part))
+                self.ctl.set("go", "run")
+                return part
+        except BaseException as e:
+            if w.rank == 0:
+                self.abort()
+                if isinstance(e, Exception) and not isinstance(e, MlacError):
+                    raise MlacError(f"rank 0 failed to start: {describe(e)}") from e
+            raise
+        self.ctl.set(f"loaded/{w.rank}", geometry(part))
+        self.ctl.wait(["go"], timedelta(seconds=w.timeout_s))
+        if self.ctl.get("go") != b"run":
+            self.leave()
+            end_process(w, 1)  # another rank failed; rank 0 reports it
+        return part
+
+    def _wait_all(self, stage: str, expect: str | None = None) -> None:
+        """Rank 0: wait until every other rank set `<stage>/<r>` (equal to `expect` if given)."""
+        deadline = time.monotonic() + self.world.timeout_s
+        pending = list(range(1, self.world.size))
+        while pending:
+            self.raise_failure(f"while the ranks {'met' if stage == 'joined' else 'loaded'}")
+            done = [r for r in pending if self.ctl.check([f"{stage}/{r}"])]
+            for r in done:
+                got = self.ctl.get(f"{stage}/{r}").decode()
+                if expect is not None and got != expect:
+                    raise MlacError(f"rank {r} loaded {got}; rank 0 loaded {expect}: every rank needs the "
+                                    "same artifact, dtype and KV cache options")  # fmt: skip
+            pending = [r for r in pending if r not in done]
+            if pending and time.monotonic() > deadline:
+                raise MlacError(f"rank(s) {pending} not {stage} after {self.world.timeout_s:.0f}s")
+            time.sleep(POLL_S)
+
+    # ---- failures ----------------------------------------------------------------------------
+
+    def report(self, exc: BaseException) -> None:
+        """A follower failed: tell rank 0 why (before this process exits and breaks the collectives)."""
+        traceback.print_exception(exc, file=sys.stderr)
+        try:
+            seq = self.ctl.add("errors", 1)
+            self.ctl.set(f"error/{self.world.rank}", f"{seq}:{describe(exc)}")
+        except Exception:  # noqa: BLE001  the store went away with rank 0: nobody to tell
+            pass
+
+    def find_failure(self) -> tuple[int, str] | None:
+        """Rank 0: (rank, why) of the first rank that failed, or None. A spawned rank that exited
+        without a report (crash, kill) comes first: the others' reports may be its echo."""
+        reported: dict[int, tuple[int, str]] = {}
+        for r in range(1, self.world.size):
+            if self.ctl.check([f"error/{r}"]):
+                seq, _, msg = self.ctl.get(f"error/{r}").decode().partition(":")
+                reported[r] = (int(seq), msg)
+        for r, p in sorted(self.procs.items()):
+            if r not in reported and p.exitcode is not None:
+                return r, f"exited unexpectedly ({describe_exit(p.exitcode)})"
+        if not reported:
+            return None
+        first = min(reported, key=lambda r: reported[r][0])
+        return first, reported[first][1]
+
+    def raise_failure(self, when: str) -> None:
+        found = self.find_failure()
+        if found is not None:
+            raise MlacError(f"rank {found[0]} failed {when}: {found[1]}")
+
+    def fail(self, exc: BaseException) -> MlacError:
+        """Rank 0, a step failed: name the rank that broke it, stop the group, return the error."""
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        found = self.find_failure()
+        while found is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            found = self.find_failure()
+        rank, why = found if found is not None else (0, describe(exc))
+        self.failed = f"rank {rank} failed during a step: {why}"
+        self.abort()
+        return MlacError(self.failed)
+
+    def check_usable(self) -> None:
+        if self.failed is not None:
+            raise MlacError(f"the ranks were stopped ({self.failed}); load the artifact again")
+        if self.closed:
+            raise MlacError("the runner is closed")
+
+    # ---- stop --------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Stop every rank without their cooperation: local processes are terminated; remote ones
+        see the store answer "abort", or their collectives break when the groups go."""
+        try:
+            self.ctl.set("go", "abort")
+        except Exception:  # noqa: BLE001
+            pass
+        self._reap(grace_s=0.5)
+        self.leave()
+
+    def shutdown(self) -> None:
+        """Rank 0: tell every rank to stop after its current step, wait for them, close the groups."""
+        if self.closed:
+            return
+        if self.failed is None:
+            try:
+                send_stop(self.control)
+            except Exception:  # noqa: BLE001  a rank died meanwhile: reaped below
+                pass
+        self._reap(grace_s=10.0)
+        self.leave()
+
+    def leave(self) -> None:
+        """Close this process's groups (idempotent); a node's first process also reaps its ranks."""
+        self.closed = True
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._reap(grace_s=10.0)
+
+    def terminate_local(self) -> None:
+        """A failed follower: stop the ranks it spawned, leave the groups to process exit."""
+        self.closed = True
+        self._reap(grace_s=0.5)
+
+    def _reap(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def open_store(world: World) -> dist.Store:
+    """The rendezvous store: torchrun's (env://), else a TCPStore that rank 0 hosts."""
+    timeout = timedelta(seconds=world.timeout_s)
+    if world.torchrun:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        return store
+    try:
+        return dist.TCPStore(world.master_addr, world.master_port, world.size, world.rank == 0, timeout,
+                             wait_for_workers=False)  # fmt: skip
+    except (RuntimeError, dist.DistError) as e:
+        where = f"{world.master_addr}:{world.master_port}"
+        raise MlacError(
+            f"rank {world.rank}: cannot {'listen on' if world.rank == 0 else 'reach'} {where}: {e}"
+        ) from e
+
+
+# ---- the step broadcast -----------------------------------------------------------------------
+# header int64 [5]: op, every_token, T (new tokens), B (sequences), W (block table width)
+# payload int64 [T + 2B + B·W]: token ids, ctx_lens, q_lens, block tables (row-major)
+
+
+def send_step(
+    group: dist.ProcessGroup, token_ids: torch.Tensor, batch: ForwardBatch, every_token: bool
+) -> None:
+    """Rank 0: the inputs of one forward step, to every rank (on CPU)."""
+    tables = batch.block_tables.to("cpu", torch.int64)  # [B, W]
+    header = torch.tensor([STEP, int(every_token), token_ids.numel(), batch.num_seqs, tables.shape[1]])
+    dist.broadcast(header, src=0, group=group)
+    lens = torch.tensor(batch.ctx_lens + batch.q_lens, dtype=torch.int64)
+    dist.broadcast(torch.cat([token_ids.to("cpu", torch.int64), lens, tables.flatten()]), src=0, group=group)
+
+
+def send_stop(group: dist.ProcessGroup) -> None:
+    dist.broadcast(torch.tensor([STOP, 0, 0, 0, 0]), src=0, group=group)
+
+
+def recv_step(
+    group: dist.ProcessGroup, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, ForwardBatch, bool] | None:
+    """Other ranks: the next step as rank 0 sent it (its ForwardBatch rebuilt here), None on stop."""
+    header = torch.empty(5, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    op, every_token, t, b, w = header.tolist()
+    if op == STOP:
+        return None
+    payload = torch.empty(t + 2 * b + b * w, dtype=torch.int64)
+    dist.broadcast(payload, src=0, group=group)
+    ids, ctx_lens, q_lens, tables = payload.split([t, b, b, b * w])
+    batch = ForwardBatch.build(
+        ctx_lens.tolist(), q_lens.tolist(), tables.view(b, w).tolist(), block_size, device
+    )
+    return ids.to(device), batch, bool(every_token)

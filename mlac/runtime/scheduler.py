@@ -1,0 +1,320 @@
+"""Continuous batching over the paged KV cache: which tokens of which sequences run each step.
+
+A Sequence holds one request: prompt, generated tokens, sampling state, block table, and how many
+of its tokens are in the cache (`num_computed`). Each `Scheduler.step()`:
+
+1. drops aborted sequences (their blocks are freed);
+2. schedules the running sequences in priority order (arrival order, oldest first): a decoding
+   sequence runs its one new token; a prefilling one runs its next chunk of prompt tokens, all
+   prefill chunks of a step together at most `chunked_prefill_size` tokens. Blocks are
+   allocated as a sequence grows; when none is free, the lowest-priority running sequence is
+   preempted: its blocks are freed and it goes back to the waiting queue, to recompute its
+   prompt and generated tokens when it is admitted again (sampling state is kept, so its
+   output is the one it would have produced unpreempted);
+3. admits waiting sequences (oldest first, no overtaking) while fewer than
+   `max_running_requests` run, prefill budget is left, and their first chunk's blocks are free;
+4. runs one forward over every scheduled token (prefill chunks and decodes mixed), samples a
+   token for each sequence whose tokens are now all cached, and decides which ones finish.
+
+The oldest sequence is never preempted by another, so it always progresses: no request is
+dropped, and every request finishes. The scheduler is single-threaded; callers on other threads
+go through an inbox (see server.EngineLoop).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from mlac.errors import MlacError
+from mlac.runtime.kv_cache import ForwardBatch
+from mlac.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
+from mlac.runtime.tokenizer import IncrementalDetokenizer
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the running batch."""
+
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048  # most prompt tokens run in one step, over all sequences
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise MlacError(f"{name}={value!r}: must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one request produced since the last delta (a streaming chunk)."""
+
+    seq_id: int
+    text: str  # new text, held back while it could still become a stop string
+    token_ids: list[int]  # new tokens (a final eos / stop token included)
+    logprobs: list[TokenLogprob]  # one per new token when logprobs were asked, else empty
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int  # so far
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state. `seq_id` orders priority (lower = older = higher priority)."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose latents are in the cache
+    finish_reason: FinishReason | None = None
+    stop_at: int | None = None  # where a stop string starts in detok.text
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    _sent_tokens: int = 0
+    _sent_chars: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt, with only the last sampled token left to run."""
+        return bool(self.output_ids) and self.num_tokens - self.num_computed == 1
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output."""
+        n = len(self.prompt_ids)
+        return (self.prompt_ids[start:end] if start < n else []) + self.output_ids[
+            max(0, start - n) : max(0, end - n)
+        ]
+
+    def append_token(
+        self, token: int, logprob: TokenLogprob | None, eos_ids: Seq[int], max_context: int
+    ) -> None:
+        """Record a sampled token; decide whether the sequence finishes (stop token, stop string,
+        max_tokens, context full)."""
+        now = time.monotonic()
+        self.first_token_time = self.first_token_time or now
+        self.last_token_time = now
+        self.output_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
+            self.finish_reason = "stop"  # the stop token's text is not part of the completion
+            return
+        new = self.detok.add(token) if self.detok is not None else ""
+        if new and p.stop:
+            self.stop_at = find_stop(self.detok.text, len(new), p.stop)
+        if self.stop_at is not None:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_context:
+            self.finish_reason = "length"
+
+    def text(self) -> str:
+        """The completion's text so far; once finished, final (flushed, cut before a stop string)."""
+        if self.detok is None:
+            return ""
+        if self.stop_at is not None:
+            return self.detok.text[: self.stop_at]
+        if self.finished:
+            self.detok.flush()
+        return self.detok.text
+
+    def take_delta(self) -> Delta:
+        """What is new since the last call. While running, the last len(longest stop) - 1
+        characters are held back: they could still turn out to start a stop string."""
+        text = self.text()
+        if not self.finished and self.params.stop:
+            text = text[: max(0, len(text) - max(len(s) for s in self.params.stop) + 1)]
+        new_text = text[self._sent_chars :]
+        self._sent_chars = max(self._sent_chars, len(text))
+        ids, lps = self.output_ids[self._sent_tokens :], self.logprobs[self._sent_tokens :]
+        self._sent_tokens = len(self.output_ids)
+        return Delta(
+            self.seq_id, new_text, ids, lps, self.finish_reason, len(self.prompt_ids), len(self.output_ids)
+        )
+
+
+def find_stop(text: str, new_chars: int, stops: Seq[str]) -> int | None:
+    """Where the first stop string starts in `text`, looking only where the last `new_chars`
+    characters could have completed one (a stop string may straddle tokens)."""
+    start = max(0, len(text) - new_chars - max(len(s) for s in stops) + 1)
+    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+def sample_next(seqs: list[Sequence], logits: torch.Tensor, eos_ids: Seq[int], max_context: int) -> None:
+    """Sample one token per sequence from its logits [B, V] and append it (with its logprobs)."""
+    tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    lps = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
+    for s, t, lp in zip(seqs, tokens.tolist(), lps, strict=True):
+        s.append_token(t, lp, eos_ids, max_context)
+
+
+class Scheduler:
+    """Continuous batching of Sequences over one runner (its forward and its paged cache)."""
+
+    def __init__(
+        self, runner, eos_token_ids: Seq[int], max_context: int, config: SchedulerConfig | None = None
+    ):
+        self.runner = runner
+        self.cache = runner.cache
+        self.eos_ids = frozenset(eos_token_ids)
+        self.max_context = max_context
+        self.config = config or SchedulerConfig()
+        self.waiting: list[Sequence] = []  # by seq_id
+        self.running: list[Sequence] = []  # by seq_id
+        self._aborts: set[int] = set()
+        self.num_preemptions = 0
+        alloc = self.cache.allocator
+        self._watermark = max(1, alloc.num_blocks // 100)  # blocks kept free when admitting
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens > self.max_context:
+            raise MlacError(f"sequence of {seq.num_tokens} tokens exceeds the context of {self.max_context}")
+        bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
+
+    def abort(self, seq_id: int) -> None:
+        """Finish a sequence with reason "abort" at the next step (its blocks are freed then)."""
+        self._aborts.add(seq_id)
+
+    def abort_all(self) -> list[Sequence]:
+        """Abort every sequence now, freeing its blocks (shutdown, or after a failed step)."""
+        self._aborts.update(s.seq_id for s in self.waiting + self.running)
+        return self._apply_aborts()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Schedule and run one forward; returns the sequences with news: a new token, finished,
+        or aborted. Finished sequences have left the scheduler and freed their blocks."""
+        news = self._apply_aborts()
+        plan = self._schedule()
+        if plan:
+            news += self._run(plan)
+        elif self.waiting and not self.running:  # cannot happen while requests fit the context; never hang
+            n, free = self.waiting[0].num_tokens, self.cache.allocator.num_free
+            raise MlacError(f"cannot admit a request of {n} tokens ({free} free blocks)")
+        return news
+
+    def _apply_aborts(self) -> list[Sequence]:
+        if not self._aborts:
+            return []
+        gone = [s for s in self.waiting + self.running if s.seq_id in self._aborts]
+        for s in gone:
+            s.finish_reason = s.finish_reason or "abort"
+            self._release(s)
+        self._aborts.clear()
+        return gone
+
+    def _release(self, seq: Sequence) -> None:
+        self.cache.allocator.free(seq.block_table)
+        seq.block_table = []
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it recomputes prompt + output when admitted again."""
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` of `seq`, preempting lower-priority running sequences (the
+        tail) when the pool is short. False when `seq` itself had to be preempted."""
+        alloc = self.cache.allocator
+        while alloc.blocks_for(num_tokens) - len(seq.block_table) > alloc.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        alloc.reserve(seq.block_table, num_tokens)
+        return True
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """[(sequence, new tokens to run)] for this step, in priority order."""
+        budget = self.config.chunked_prefill_size
+        plan: list[tuple[Sequence, int]] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            n = 1 if seq.decoding else min(seq.num_tokens - seq.num_computed, budget)
+            if n == 0:
+                i += 1
+                continue
+            if not self._grow(seq, seq.num_computed + n):
+                break  # seq was the tail: everything after it is gone too
+            budget -= 0 if seq.decoding else n
+            plan.append((seq, n))
+            i += 1
+        alloc = self.cache.allocator
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens, budget)
+            reserve = self._watermark if self.running else 0
+            if alloc.blocks_for(n) + reserve > alloc.num_free:
+                break  # oldest first: no younger request overtakes it
+            self.waiting.pop(0)
+            alloc.reserve(seq.block_table, n)
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
+        seqs = [s for s, _ in plan]
+        chunks = [s.tokens(s.num_computed, s.num_computed + n) for s, n in plan]
+        batch = ForwardBatch.build(
+            [s.num_computed for s in seqs], [n for _, n in plan], [s.block_table for s in seqs],
+            self.cache.block_size, self.runner.device,
+        )  # fmt: skip
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.runner.device)
+        logits = self.runner.forward(ids, batch, False)  # [B, V]: each sequence's last new token
+        for s, n in plan:
+            s.num_computed += n
+        rows = [j for j, s in enumerate(seqs) if s.num_computed == s.num_tokens]  # all cached: sample
+        ready = [seqs[j] for j in rows]
+        if ready:
+            sample_next(ready, logits[rows], self.eos_ids, self.max_context)
+        for s in ready:
+            if s.finished:
+                self._release(s)
+        return ready
