@@ -243,7 +243,9 @@ def table(result: dict) -> str:
     for c in result["cases"]:
         for r in [c["configs"][0], best(c["configs"])]:
             if r is None or "ms" not in r:
-                lines.append(f"{c['name']:38s} {r['config'] if r else '-':8s} failed: {r.get('error') if r else ''}")
+                lines.append(
+                    f"{c['name']:38s} {r['config'] if r else '-':8s} failed: {r.get('error') if r else ''}"
+                )
                 continue
             gbs = f"{r['kv_gbs']:7.0f}" if "kv_gbs" in r else f"{'':7s}"
             frac = f"{100 * r['frac_copy_bw']:5.1f}%" if "frac_copy_bw" in r else f"{'':6s}"

@@ -54,13 +54,34 @@ def main() -> None:
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--fp8", is_flag=True, help="Quantize linear weights to block-wise 128x128 e4m3 (FP8 sources keep their blocks).")
+@click.option(
+    "--fp8",
+    is_flag=True,
+    help="Quantize linear weights to block-wise 128x128 e4m3 (FP8 sources keep their blocks).",
+)
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks per model replica.")
-@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel split of the routed experts (1 or --tp).")
-@click.option("--kv-cache-dtype", type=click.Choice(["bf16", "fp8_e4m3", "fp8_e5m2"]), default="bf16", show_default=True,
-              help="Dtype of the latent KV cache, recorded for the runtime.")
-@click.option("--skip-accuracy-check", is_flag=True, help="Do not run the artifact against the source (for models that do not fit).")
-@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists (only once the new artifact is complete).")
+@click.option(
+    "--ep",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Expert-parallel split of the routed experts (1 or --tp).",
+)
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["bf16", "fp8_e4m3", "fp8_e5m2"]),
+    default="bf16",
+    show_default=True,
+    help="Dtype of the latent KV cache, recorded for the runtime.",
+)
+@click.option(
+    "--skip-accuracy-check",
+    is_flag=True,
+    help="Do not run the artifact against the source (for models that do not fit).",
+)
+@click.option(
+    "--force", is_flag=True, help="Replace OUT_DIR if it exists (only once the new artifact is complete)."
+)
 @friendly_errors
 def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check, force):
     """Compile the Hugging Face DeepSeek checkpoint MODEL_DIR into an artifact at OUT_DIR.
@@ -75,14 +96,18 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check
     from mlac.compiler.reader import Checkpoint
     from mlac.config import ModelConfig
 
-    options = CompileOptions(fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check)
+    options = CompileOptions(
+        fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check
+    )
     check_options(ModelConfig.from_dir(model_dir), options)  # before any safetensors file is opened
     ckpt = Checkpoint(model_dir)
     with _progress(ckpt.total_bytes, "compiling") as bar:
         manifest = compile_checkpoint(ckpt, out_dir, options, force=force, progress=bar.update, log=_log)
     acc = manifest.accuracy
     if acc.status == "measured":
-        _log(f"accuracy vs {acc.reference}: rel_l2={acc.rel_l2:.3e} max_abs={acc.max_abs:.3e} top1={acc.top1_agreement:.4f}")
+        _log(
+            f"accuracy vs {acc.reference}: rel_l2={acc.rel_l2:.3e} max_abs={acc.max_abs:.3e} top1={acc.top1_agreement:.4f}"
+        )
     else:
         _log(f"accuracy: skipped ({acc.reason})")
     click.echo(f"wrote {out_dir}")
@@ -118,7 +143,12 @@ def verify(out_dir):
 @main.command()
 @click.argument("preset", required=False)
 @click.argument("out_dir", type=click.Path(path_type=Path), required=False)
-@click.option("--from-config", "config_path", type=click.Path(path_type=Path), help="Use this config.json instead of a preset.")
+@click.option(
+    "--from-config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    help="Use this config.json instead of a preset.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (same seed, same bytes).")
 @click.option("--num-layers", type=int, help="Override num_hidden_layers (keeps at least one MoE layer).")
 @friendly_errors
@@ -149,7 +179,9 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 
 @main.command()
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--prompt", required=True, help="Prompt text (encoded with the artifact's tokenizer, BOS prepended).")
+@click.option(
+    "--prompt", required=True, help="Prompt text (encoded with the artifact's tokenizer, BOS prepended)."
+)
 @click.option("--chat", is_flag=True, help="Render the prompt as one user message through the chat template.")
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
@@ -172,29 +204,77 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
     out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=list(stop) or None)  # fmt: skip
     click.echo(out.text)
-    _log(f"[{out.prompt_tokens} prompt tokens, {out.completion_tokens} completion tokens, finish: {out.finish_reason}]")
+    _log(
+        f"[{out.prompt_tokens} prompt tokens, {out.completion_tokens} completion tokens, finish: {out.finish_reason}]"
+    )
 
 
 @main.command()
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server)."
+)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes (default: env MLAC_API_KEY).")
+@click.option(
+    "--api-key",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' on /v1 routes (default: env MLAC_API_KEY).",
+)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--max-running-requests", type=int, default=64, show_default=True, help="Most requests in the running batch.")
-@click.option("--chunked-prefill-size", type=int, default=2048, show_default=True, help="Most prompt tokens run per step.")
-@click.option("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes (default 1 GiB, capped at 4 full contexts).")
-@click.option("--num-blocks", type=int, default=None, help="KV cache size in blocks of 16 tokens (instead of --kv-cache-bytes).")
-@click.option("--max-queue", type=int, default=256, show_default=True, help="Requests waiting beyond the running batch before 503.")
-@click.option("--drain-timeout", type=float, default=30.0, show_default=True, help="Seconds SIGTERM waits for running requests.")
+@click.option(
+    "--max-running-requests",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Most requests in the running batch.",
+)
+@click.option(
+    "--chunked-prefill-size",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Most prompt tokens run per step.",
+)
+@click.option(
+    "--kv-cache-bytes",
+    type=int,
+    default=None,
+    help="KV cache budget in bytes (default 1 GiB, capped at 4 full contexts).",
+)
+@click.option(
+    "--num-blocks",
+    type=int,
+    default=None,
+    help="KV cache size in blocks of 16 tokens (instead of --kv-cache-bytes).",
+)
+@click.option(
+    "--max-queue",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Requests waiting beyond the running batch before 503.",
+)
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds SIGTERM waits for running requests.",
+)
 @click.option("--served-model-name", default=None, help="Model id of the API (default: OUT_DIR's name).")
-@click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True, help="Largest request body accepted.")
+@click.option(
+    "--max-body-bytes", type=int, default=4 << 20, show_default=True, help="Largest request body accepted."
+)
 @click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes of a multi-rank artifact.")
-@click.option("--node-rank", type=int, default=0, show_default=True, help="This node's rank (node 0 serves HTTP).")
+@click.option(
+    "--node-rank", type=int, default=0, show_default=True, help="This node's rank (node 0 serves HTTP)."
+)
 @click.option("--master-addr", default="127.0.0.1", show_default=True, help="Rendezvous address (node 0).")
 @click.option("--master-port", type=int, default=29500, show_default=True, help="Rendezvous port.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
+)
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
           num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, nnodes, node_rank, master_addr,
@@ -206,6 +286,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "out", "messages": [{"role": "user", "content": "Hi"}]}'
     """
+    from mlac.runtime.dist import launches_rank_0
     from mlac.runtime.runner import LaunchSpec
     from mlac.runtime.scheduler import SchedulerConfig
     from mlac.runtime.server import ServerConfig, api_key_from_env, load_engine
@@ -220,16 +301,29 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
     )  # fmt: skip
-    if node_rank != 0:  # a worker node: its ranks run node 0's steps inside make_runner, which exits the process
-        load_engine(config).close()
+    if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
+        load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process
         return
     run_server(config, log_level=log_level)
 
 
 @main.command()
-@click.option("--work", type=click.Path(path_type=Path), default=None, help="Working directory (default: a temporary one, removed after).")
-@click.option("--tp", type=int, default=2, show_default=True, help="Tensor-parallel ranks of the compiled demo artifact.")
-@click.option("--prompt", default="What is the capital of France?", show_default=True, help="The chat message sent.")
+@click.option(
+    "--work",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Working directory (default: a temporary one, removed after).",
+)
+@click.option(
+    "--tp",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Tensor-parallel ranks of the compiled demo artifact.",
+)
+@click.option(
+    "--prompt", default="What is the capital of France?", show_default=True, help="The chat message sent."
+)
 @click.option("--max-tokens", type=int, default=24, show_default=True)
 @friendly_errors
 def demo(work, tp, prompt, max_tokens):

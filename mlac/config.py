@@ -160,7 +160,9 @@ def _translate(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if field in raw and raw[field] != want:
             raise _refuse(source, field, raw[field], why)
     if raw.get("rope_interleave", True) is not True:
-        raise _refuse(source, "rope_interleave", raw["rope_interleave"], "DeepSeek checkpoints store rope interleaved")
+        raise _refuse(
+            source, "rope_interleave", raw["rope_interleave"], "DeepSeek checkpoints store rope interleaved"
+        )
 
     n_routed = raw.get("n_routed_experts")
     topk_method = raw.get("topk_method", "noaux_tc" if v3 else "greedy")
@@ -225,7 +227,14 @@ def _rope_scaling(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
     kind = rs.get("type", rs.get("rope_type"))
     if kind != "yarn":
         raise _refuse(source, "rope_scaling.type", kind, "only YaRN rope scaling is implemented")
-    keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+    keys = (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+    )
     return {k: rs[k] for k in keys if rs.get(k) is not None}
 
 
@@ -240,7 +249,9 @@ def _quantization(qc: dict[str, Any] | None, source: str) -> dict[str, Any] | No
         raise _refuse(source, "quantization_config.fmt", fmt, "only e4m3 FP8 weights are read")
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
-        raise _refuse(source, "quantization_config.activation_scheme", scheme, "only dynamic activation scaling")
+        raise _refuse(
+            source, "quantization_config.activation_scheme", scheme, "only dynamic activation scaling"
+        )
     block = tuple(qc.get("weight_block_size") or ())
     if block != (FP8_BLOCK, FP8_BLOCK):
         raise _refuse(source, "quantization_config.weight_block_size", list(block), "only 128x128 blocks")

@@ -124,7 +124,10 @@ def _break_missing_shard(ckpt):
     tensors = load_file(path)
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for shard, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, ckpt / shard, metadata={"format": "pt"})
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}
@@ -140,13 +143,19 @@ CASES = {
     "unsupported rope scaling": (_break_rope_scaling, ["rope_scaling.type", "linear"]),
     "unsupported activation": (_break_hidden_act, ["hidden_act='gelu'"]),
     "unsupported quantization": (_break_quant_method, ["quant_method", "gptq"]),
-    "missing tensor": (_break_missing_tensor, ["missing tensor", "model.layers.1.self_attn.kv_b_proj.weight"]),
+    "missing tensor": (
+        _break_missing_tensor,
+        ["missing tensor", "model.layers.1.self_attn.kv_b_proj.weight"],
+    ),
     "extra tensor": (_break_extra_tensor, ["unexpected tensor", "surprise"]),
     "misshapen tensor": (_break_misshapen_tensor, ["o_proj.weight", "shape", "config implies"]),
     "wrong dtype": (_break_wrong_dtype, ["model.norm.weight", "dtype"]),
     "truncated safetensors": (_break_truncated, ["truncated"]),
     "corrupt safetensors header": (_break_corrupt_header, ["corrupt"]),
-    "index names a missing shard": (_break_missing_shard, ["model-00002-of-00002.safetensors", "does not exist"]),
+    "index names a missing shard": (
+        _break_missing_shard,
+        ["model-00002-of-00002.safetensors", "does not exist"],
+    ),
 }
 
 
@@ -163,7 +172,9 @@ def test_existing_output_is_refused_without_force(checkpoint, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    assert_clean_error(run_compile(checkpoint("tiny-v2-lite"), out, "--skip-accuracy-check"), "already exists", "--force")
+    assert_clean_error(
+        run_compile(checkpoint("tiny-v2-lite"), out, "--skip-accuracy-check"), "already exists", "--force"
+    )
     assert (out / "keep.txt").read_text() == "user data"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

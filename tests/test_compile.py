@@ -49,7 +49,14 @@ def test_manifest_records_files_tensors_and_source(artifact, checkpoint):
     assert m.source.mtp_layers == [m.model.num_hidden_layers] and m.source.mtp_tensors > 0
     names = set(m.tensors[0])
     assert not any(".experts." in n or "mtp" in n for n in names)
-    assert {"embed", "head", "norm", "layers.1.moe.w13", "layers.1.moe.w13.scale", "layers.1.attn.w_kc"} <= names
+    assert {
+        "embed",
+        "head",
+        "norm",
+        "layers.1.moe.w13",
+        "layers.1.moe.w13.scale",
+        "layers.1.attn.w_kc",
+    } <= names
     assert m.tensors[0]["layers.1.attn.w_kc"].dtype == "BF16"  # absorbed weights are not FP8
     assert [p.name for p in m.passes] == ["read", "rope", "fuse", "absorb", "fp8"]
 
@@ -106,7 +113,9 @@ def test_sharded_and_single_file_sources_compile_alike(checkpoint, tmp_path):
     from mlac.synth import synthesize
 
     sharded = synthesize(tmp_path / "sharded", preset="tiny-v3", seed=0, max_shard_bytes=2 << 20)
-    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    assert (sharded / "model.safetensors.index.json").is_file() and len(
+        list(sharded.glob("*.safetensors"))
+    ) > 2
     a, b = compile_tensors(sharded)[0], compile_tensors(checkpoint("tiny-v3"))[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -143,7 +152,9 @@ def test_accuracy_report_in_manifest(artifact, checkpoint, tmp_path):
 
 
 def test_generate_cli_prints_a_completion(artifact):
-    r = invoke("generate", artifact("tiny-v3", fp8=True), "--prompt", "The quick brown fox", "--max-tokens", "8")
+    r = invoke(
+        "generate", artifact("tiny-v3", fp8=True), "--prompt", "The quick brown fox", "--max-tokens", "8"
+    )
     assert r.exit_code == 0, r.output
     assert "8 completion tokens" in r.output or "finish: stop" in r.output
 

@@ -19,7 +19,10 @@ def load(name: str) -> dict:
 
 
 def test_real_configs_parse():
-    lite, v2, v3, r1 = (ModelConfig.from_hf(load(n)) for n in ("DeepSeek-V2-Lite", "DeepSeek-V2", "DeepSeek-V3", "DeepSeek-R1"))
+    lite, v2, v3, r1 = (
+        ModelConfig.from_hf(load(n))
+        for n in ("DeepSeek-V2-Lite", "DeepSeek-V2", "DeepSeek-V3", "DeepSeek-R1")
+    )
     assert lite.q_lora_rank is None and lite.topk_method == "greedy" and lite.n_group == 1
     assert v2.topk_method == "group_limited_greedy" and (v2.n_group, v2.topk_group) == (8, 3)
     assert v2.routed_scaling_factor == 16.0 and v2.scoring_func == "softmax"
@@ -60,7 +63,10 @@ def test_moe_layer_freq():
         ({"num_key_value_heads": 8}, "num_key_value_heads=8"),
         ({"quantization_config": {"quant_method": "awq"}}, "quant_method='awq'"),
         ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "fmt='e5m2'"),
-        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, "weight_block_size=[64, 64]"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+            "weight_block_size=[64, 64]",
+        ),
         ({"vocab_size": "many"}, "vocab_size"),
         ({"hidden_size": None}, "hidden_size"),
     ],

@@ -20,7 +20,9 @@ CONFIGS = Path(__file__).parent / "configs"
 
 def synth_and_compile(name: str, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    r = CliRunner().invoke(main, ["synth", "--from-config", str(CONFIGS / f"{name}.json"), str(ckpt), "--num-layers", "2"])
+    r = CliRunner().invoke(
+        main, ["synth", "--from-config", str(CONFIGS / f"{name}.json"), str(ckpt), "--num-layers", "2"]
+    )
     assert r.exit_code == 0, r.output
     for fp8 in (False, True):
         out = tmp_path / f"out-{fp8}"

@@ -62,7 +62,10 @@ def test_gpu_float32_matches_cpu(preset, fp8, artifact):
     max_rel, rel_l2 = errors(gpu, ref)
     short_rel, _ = errors(gpu, ref, length=4)
     ids = prompts(ref.config.vocab_size)[0]
-    same = gpu.generate(ids, max_tokens=32, ignore_eos=True).token_ids == ref.generate(ids, max_tokens=32, ignore_eos=True).token_ids
+    same = (
+        gpu.generate(ids, max_tokens=32, ignore_eos=True).token_ids
+        == ref.generate(ids, max_tokens=32, ignore_eos=True).token_ids
+    )
     RESULTS[f"{preset}/{'fp8' if fp8 else 'bf16'}/float32"] = {
         "max_rel": max_rel, "rel_l2": rel_l2, "short_max_rel": short_rel, "greedy_32_identical": same,
     }  # fmt: skip

@@ -125,7 +125,9 @@ def fp8_errors(engine: Engine, model) -> tuple[float, float]:
         got.append(engine.score(ids).double())
         want.append(hf_logits(model, ids).double())
     got, want = torch.cat(got), torch.cat(want)
-    return float((got - want).norm() / want.norm()), float((got.argmax(-1) == want.argmax(-1)).double().mean())
+    return float((got - want).norm() / want.norm()), float(
+        (got.argmax(-1) == want.argmax(-1)).double().mean()
+    )
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
@@ -151,7 +153,9 @@ def _transpose_blocks(tensors: dict) -> None:
             tensors[name] = blocks.transpose(-1, -3).reshape(w.shape).contiguous()
 
 
-@pytest.mark.parametrize("corrupt", [_drop_scales, _transpose_blocks], ids=["missing-scale", "transposed-blocks"])
+@pytest.mark.parametrize(
+    "corrupt", [_drop_scales, _transpose_blocks], ids=["missing-scale", "transposed-blocks"]
+)
 def test_wrong_fp8_path_fails_the_bound(corrupt, artifact, hf_model):
     path = artifact("tiny-v2", fp8=True)
     tensors = load_artifact(path, dtype=torch.float32).tensors

@@ -68,4 +68,6 @@ def test_quantize_lazy_stacked_experts_have_per_expert_blocks():
     q, s = quantize_lazy(stack([eager(x) for x in experts]))
     assert q.shape == (3, 96, 130) and s.shape == (3, 1, 2)
     for e, x in enumerate(experts):
-        torch.testing.assert_close(dequantize_blocks(q.load()[e], s.load()[e]), x, rtol=0.07, atol=0.07 * (e + 1))
+        torch.testing.assert_close(
+            dequantize_blocks(q.load()[e], s.load()[e]), x, rtol=0.07, atol=0.07 * (e + 1)
+        )

@@ -85,6 +85,8 @@ def test_per_rank_files_show_the_split(artifact, checkpoint, tmp_path):
     assert r.exit_code == 0, r.output
     m = Manifest.load(out)
     assert m.plan.tp == 2 and len(m.tensors) == 2
+    # the accuracy check ran the artifact with its 2 ranks against the 1-rank unquantized source
+    assert m.accuracy.status == "measured" and m.accuracy.rel_l2 < 1e-5 and m.accuracy.top1_agreement == 1.0
     sizes = {}
     for f in m.files:
         if f.path.startswith("rank-"):

@@ -32,7 +32,9 @@ class LazyTensor:
         assert self.produce is not None
         t = self.produce()
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
-            raise AssertionError(f"lazy tensor produced {tuple(t.shape)} {t.dtype}, declared {self.shape} {self.dtype}")
+            raise AssertionError(
+                f"lazy tensor produced {tuple(t.shape)} {t.dtype}, declared {self.shape} {self.dtype}"
+            )
         return t
 
     def chunks(self) -> Iterator[torch.Tensor]:

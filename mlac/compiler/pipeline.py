@@ -32,7 +32,12 @@ from mlac.config import FP8_BLOCK, ModelConfig
 from mlac.passes import PassContext, absorb, fp8, fuse, rope, shard
 
 LAYER_PASSES = (rope, fuse, absorb)  # then shard (one layer -> one dict per rank), then fp8 per rank
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
 GLOBAL_FILES = {"embed.safetensors": ("embed",), "head.safetensors": ("norm", "head")}
 
 Log = Callable[[str], None]
@@ -100,7 +105,9 @@ def compile_checkpoint(
     ckpt = model_dir if isinstance(model_dir, Checkpoint) else Checkpoint(model_dir)
     check_options(ckpt.config, options)
     cfg = ckpt.config
-    log(f"source: {cfg.model_type}, {cfg.num_hidden_layers} layers, {ckpt.total_bytes / 1e9:.2f} GB in {len(ckpt.files)} file(s)")
+    log(
+        f"source: {cfg.model_type}, {cfg.num_hidden_layers} layers, {ckpt.total_bytes / 1e9:.2f} GB in {len(ckpt.files)} file(s)"
+    )
     if ckpt.mtp_layers:
         log(f"source: MTP layer(s) {ckpt.mtp_layers} recorded, not compiled into the main model")
     start = time.perf_counter()
@@ -111,8 +118,10 @@ def compile_checkpoint(
             if (ckpt.dir / name).is_file():
                 w.copy_file(ckpt.dir / name, f"{TOKENIZER_DIR}/{name}")
         elapsed = time.perf_counter() - start
-        log(f"wrote {sum(f.size for f in w.files) / 1e9:.2f} GB in {elapsed:.1f} s "
-            f"({ckpt.total_bytes / 1e6 / max(elapsed, 1e-9):.0f} MB/s of source)")
+        log(
+            f"wrote {sum(f.size for f in w.files) / 1e9:.2f} GB in {elapsed:.1f} s "
+            f"({ckpt.total_bytes / 1e6 / max(elapsed, 1e-9):.0f} MB/s of source)"
+        )
         manifest = _manifest(ckpt, options, w, accuracy=None)
         accuracy = _accuracy(ckpt, options, w.root, manifest, log)
         return _commit(w, manifest.model_copy(update={"accuracy": accuracy}))

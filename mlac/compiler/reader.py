@@ -100,7 +100,11 @@ def expected_layer(cfg: ModelConfig, i: int) -> dict[str, Expected]:
 
 
 def _mlp(prefix: str, inter: int, d: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}gate_proj.weight": (inter, d), f"{prefix}up_proj.weight": (inter, d), f"{prefix}down_proj.weight": (d, inter)}
+    return {
+        f"{prefix}gate_proj.weight": (inter, d),
+        f"{prefix}up_proj.weight": (inter, d),
+        f"{prefix}down_proj.weight": (d, inter),
+    }
 
 
 def expected_globals(cfg: ModelConfig) -> dict[str, Expected]:
@@ -149,7 +153,9 @@ class Checkpoint:
                 self._add_file(shard, f"{INDEX} names shard {shard!r}")
             for name, shard in weight_map.items():
                 if name not in self.files[shard].tensors:
-                    raise MlacError(f"{index}: tensor {name!r} is mapped to {shard} but that file does not hold it")
+                    raise MlacError(
+                        f"{index}: tensor {name!r} is mapped to {shard} but that file does not hold it"
+                    )
             for shard, f in self.files.items():
                 for name in f.tensors:
                     if weight_map.get(name) != shard:
@@ -194,7 +200,9 @@ class Checkpoint:
             expected |= {f"model.layers.{i}.{k}": e for k, e in expected_layer(cfg, i).items()}
         for name, exp in list(expected.items()):
             if fp8 and exp.fp8:
-                expected[name.removesuffix(".weight") + ".weight_scale_inv"] = Expected(scale_shape(exp.shape), False)
+                expected[name.removesuffix(".weight") + ".weight_scale_inv"] = Expected(
+                    scale_shape(exp.shape), False
+                )
         mtp_range = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
         mtp = set()
         for name in sorted(self.where):
@@ -203,7 +211,9 @@ class Checkpoint:
                 mtp.add(int(m.group(1)))
                 self.mtp_tensors += 1
             elif name not in expected:
-                raise MlacError(f"{self.owner[name].path}: unexpected tensor {name!r} (not part of this {cfg.model_type} config)")
+                raise MlacError(
+                    f"{self.owner[name].path}: unexpected tensor {name!r} (not part of this {cfg.model_type} config)"
+                )
         self.mtp_layers = sorted(mtp)
         for name, exp in expected.items():
             self._check_one(name, exp, fp8)
@@ -216,7 +226,11 @@ class Checkpoint:
         if info.shape != exp.shape:
             raise MlacError(f"{where} has shape {list(info.shape)}, the config implies {list(exp.shape)}")
         if name.endswith("weight_scale_inv") or name.endswith("e_score_correction_bias"):
-            ok = info.dtype == torch.float32 if name.endswith("weight_scale_inv") else info.dtype in FLOAT_DTYPES
+            ok = (
+                info.dtype == torch.float32
+                if name.endswith("weight_scale_inv")
+                else info.dtype in FLOAT_DTYPES
+            )
             want = "F32" if name.endswith("weight_scale_inv") else "a float dtype"
         elif fp8_source and exp.fp8:
             ok, want = info.dtype == torch.float8_e4m3fn, "F8_E4M3 (the config declares an FP8 checkpoint)"
@@ -276,13 +290,17 @@ def read_tensors(
         else:
             scale = ckpt.stored(scale_name, on_read)
             out[name] = LazyTensor(
-                value.shape, FP8_DEQUANT_DTYPE, lambda v=value, s=scale: dequantize_blocks(v.load(), s.load()).to(FP8_DEQUANT_DTYPE)
+                value.shape,
+                FP8_DEQUANT_DTYPE,
+                lambda v=value, s=scale: dequantize_blocks(v.load(), s.load()).to(FP8_DEQUANT_DTYPE),
             )
     return out
 
 
 def read_layer(ckpt: Checkpoint, i: int, keep_fp8: bool, on_read=None) -> dict[str, LazyTensor]:
-    names = {f"model.layers.{i}.{s}": f"layers.{i}.{mlac_layer_name(s)}" for s in expected_layer(ckpt.config, i)}
+    names = {
+        f"model.layers.{i}.{s}": f"layers.{i}.{mlac_layer_name(s)}" for s in expected_layer(ckpt.config, i)
+    }
     return read_tensors(ckpt, names, keep_fp8, on_read)
 
 

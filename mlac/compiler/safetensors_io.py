@@ -103,7 +103,9 @@ class SafetensorsFile:
         if end - begin != nbytes or begin < 0:
             raise self._fail(f"tensor {name!r}: header offsets do not match its shape and dtype")
         if end > data_len:
-            raise self._fail(f"truncated: tensor {name!r} ends at byte {end} but the data is {data_len} bytes")
+            raise self._fail(
+                f"truncated: tensor {name!r} ends at byte {end} but the data is {data_len} bytes"
+            )
         return TensorInfo(name, dtype, shape, data_start + begin, nbytes)
 
     def read(self, name: str) -> torch.Tensor:
@@ -148,7 +150,11 @@ def _header(specs: list[WriteSpec]) -> bytes:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for s in specs:
-        header[s.name] = {"dtype": dtype_name(s.dtype), "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        header[s.name] = {
+            "dtype": dtype_name(s.dtype),
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes],
+        }
         offset += s.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     return struct.pack("<Q", len(raw) + (-len(raw) % 8)) + raw + b" " * (-len(raw) % 8)

@@ -51,7 +51,9 @@ class ArtifactWriter:
         rels = [f"{rank_dir(r, self.world_size)}/{file}" for r in range(self.world_size)]
         for rel in rels:
             (self.tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        specs = [[WriteSpec(n, t.dtype, t.shape, _stream(t)) for n, t in tensors.items()] for tensors in ranks]
+        specs = [
+            [WriteSpec(n, t.dtype, t.shape, _stream(t)) for n, t in tensors.items()] for tensors in ranks
+        ]
         results = write_safetensors_lockstep([self.tmp / rel for rel in rels], specs)
         for r, (rel, (size, sha)) in enumerate(zip(rels, results, strict=True)):
             self.files.append(FileEntry(path=rel, size=size, sha256=sha))

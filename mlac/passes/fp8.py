@@ -32,7 +32,12 @@ COMPILE_MIN_ELEMENTS = 1 << 20  # below this (tiny test models), eager beats a f
 
 
 def params(ctx: PassContext) -> dict:
-    return {"fmt": "e4m3", "block": [FP8_BLOCK, FP8_BLOCK], "scale_dtype": "float32", "tensors": list(QUANTIZED)}
+    return {
+        "fmt": "e4m3",
+        "block": [FP8_BLOCK, FP8_BLOCK],
+        "scale_dtype": "float32",
+        "tensors": list(QUANTIZED),
+    }
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +77,9 @@ def _compiled_kernel():
     try:
         got, want = compiled(probe), _quantize_kernel(probe)
     except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
-        warnings.warn(f"fp8: torch.compile unavailable ({type(e).__name__}); quantizing in eager mode", stacklevel=2)
+        warnings.warn(
+            f"fp8: torch.compile unavailable ({type(e).__name__}); quantizing in eager mode", stacklevel=2
+        )
         return _quantize_kernel
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
     return compiled

@@ -45,7 +45,9 @@ def _pop(t: dict[str, LazyTensor], name: str) -> tuple[LazyTensor, LazyTensor | 
 def _dequantized(w: LazyTensor, s: LazyTensor | None) -> LazyTensor:
     if s is None:
         return w
-    return LazyTensor(w.shape, FP8_DEQUANT_DTYPE, lambda: dequantize_blocks(w.load(), s.load()).to(FP8_DEQUANT_DTYPE))
+    return LazyTensor(
+        w.shape, FP8_DEQUANT_DTYPE, lambda: dequantize_blocks(w.load(), s.load()).to(FP8_DEQUANT_DTYPE)
+    )
 
 
 def _fuse(t: dict[str, LazyTensor], names: list[str], out: str) -> None:

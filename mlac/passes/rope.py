@@ -60,5 +60,9 @@ def _permute_rows(tensors: dict[str, LazyTensor], name: str, starts: list[int], 
     if scale is not None and any(s // FP8_BLOCK != (s + rope - 1) // FP8_BLOCK for s in starts):
         # a segment straddles two blocks: permuting would mix scales, so leave FP8 here
         del tensors[name + ".scale"]
-        w = LazyTensor(w.shape, FP8_DEQUANT_DTYPE, lambda w=w, s=scale: dequantize_blocks(w.load(), s.load()).to(FP8_DEQUANT_DTYPE))
+        w = LazyTensor(
+            w.shape,
+            FP8_DEQUANT_DTYPE,
+            lambda w=w, s=scale: dequantize_blocks(w.load(), s.load()).to(FP8_DEQUANT_DTYPE),
+        )
     tensors[name] = w.map(lambda t: t[idx])

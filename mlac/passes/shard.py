@@ -40,7 +40,9 @@ def check(cfg: ModelConfig, o: CompileOptions) -> None:
     if n < 1:
         raise MlacError(f"--tp {n}: must be at least 1")
     if o.ep not in (1, n):
-        raise MlacError(f"--ep {o.ep}: must be 1 (experts sliced across ranks) or equal to --tp {n} (whole experts)")
+        raise MlacError(
+            f"--ep {o.ep}: must be 1 (experts sliced across ranks) or equal to --tp {n} (whole experts)"
+        )
     dims = {"num_attention_heads": cfg.num_attention_heads, "vocab_size": cfg.vocab_size}
     if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         dims["intermediate_size"] = cfg.intermediate_size
@@ -52,7 +54,9 @@ def check(cfg: ModelConfig, o: CompileOptions) -> None:
             dims["moe_intermediate_size*n_shared_experts"] = cfg.moe_intermediate_size * cfg.n_shared_experts
     for name, value in dims.items():
         if value % n:
-            hint = " (the vocabulary would need padding, which mlac does not do)" if name == "vocab_size" else ""
+            hint = (
+                " (the vocabulary would need padding, which mlac does not do)" if name == "vocab_size" else ""
+            )
             raise MlacError(f"--tp {n} does not divide {name}={value}{hint}")
 
 
@@ -154,6 +158,6 @@ def _aligned(t: LazyTensor, rows: list[Range] | None, cols: Range | None) -> boo
 def _dequantized(t: LazyTensor, scale: LazyTensor) -> LazyTensor:
     if t.parts and len(t.shape) == 3 and scale.parts:  # one expert at a time
         return stack([_dequantized(p, s) for p, s in zip(t.parts, scale.parts, strict=True)])
-    return LazyTensor(t.shape, FP8_DEQUANT_DTYPE, lambda: dequantize_blocks(t.load(), scale.load()).to(FP8_DEQUANT_DTYPE))
-
-
+    return LazyTensor(
+        t.shape, FP8_DEQUANT_DTYPE, lambda: dequantize_blocks(t.load(), scale.load()).to(FP8_DEQUANT_DTYPE)
+    )
