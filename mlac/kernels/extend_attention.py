@@ -15,28 +15,12 @@ unmasked. `extend_attention` dispatches: Triton on CUDA, the reference on CPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU runtime must not need triton
-    triton = None
+from mlac.kernels._triton import tl, triton
+from mlac.kernels._triton import use_triton as _use_triton
 
 LOG2E = 1.4426950408889634
-
-
-def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
-    """Triton on CUDA tensors; on CPU tensors only when asked and under TRITON_INTERPRET=1."""
-    if use_triton is None:
-        return x.is_cuda and triton is not None
-    if use_triton and triton is None:
-        raise RuntimeError("use_triton=True but triton is not installed")
-    if use_triton and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
-    return use_triton
 
 
 # --------------------------------------------------------------------------------------------

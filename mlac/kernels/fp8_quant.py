@@ -13,15 +13,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU runtime: the kernels below are plain functions that are never launched
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from mlac.kernels._triton import HAS_TRITON, tl, triton, use_triton  # noqa: F401 (re-exported)
 
 GROUP = 128
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -30,19 +22,6 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 def jit(fn):
     """`triton.jit` when Triton is installed, else the function unchanged (never launched)."""
     return triton.jit(fn) if HAS_TRITON else fn
-
-
-def use_triton(x: torch.Tensor, requested: bool | None = None) -> bool:
-    """Dispatch rule: Triton on CUDA tensors; on CPU only when asked (TRITON_INTERPRET=1 tests).
-
-    `requested` True forces Triton (an error without it), False forces the reference, None picks
-    by device. The environment variable MLAC_FORCE_TRITON=1 acts as `requested=True` on CPU.
-    """
-    if requested is None:
-        requested = x.is_cuda or os.environ.get("MLAC_FORCE_TRITON") == "1"
-    if requested and not HAS_TRITON:
-        raise RuntimeError("the Triton path was requested but triton is not installed")
-    return requested
 
 
 def interpreting() -> bool:

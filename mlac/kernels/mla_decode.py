@@ -17,31 +17,16 @@ benchmarks/NOTES_attention.md.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU runtime must not need triton
-    triton = None
+from mlac.kernels._triton import tl, triton
+from mlac.kernels._triton import use_triton as _use_triton
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
-    """Triton on CUDA tensors; on CPU tensors only when asked and under TRITON_INTERPRET=1."""
-    if use_triton is None:
-        return x.is_cuda and triton is not None
-    if use_triton and triton is None:
-        raise RuntimeError("use_triton=True but triton is not installed")
-    if use_triton and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
-    return use_triton
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,30 +14,12 @@ Entry points dispatch: Triton on CUDA, the reference on CPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from mlac.kernels._triton import tl, triton
+from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import BLOCK as QUANT_GROUP
 from mlac.kernels.fp8_gemm import FP8, FP8_MAX, quantize_act_ref
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU runtime must not need triton
-    triton = None
-
-
-def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
-    """Triton on CUDA tensors; on CPU tensors only when asked and under TRITON_INTERPRET=1."""
-    if use_triton is None:
-        return x.is_cuda and triton is not None
-    if use_triton and triton is None:
-        raise RuntimeError("use_triton=True but triton is not installed")
-    if use_triton and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
-    return use_triton
-
 
 # --------------------------------------------------------------------------------------------
 # References

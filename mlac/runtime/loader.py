@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mlac.artifact import FileEntry, Manifest, TensorEntry, check_inside, sha256_file
+from mlac.artifact import FileEntry, Manifest, TensorEntry, check_inside, verify_files
 from mlac.errors import MlacError
 
 KEEP_FLOAT32 = (".scale", ".gate_bias")  # tensor contract: float32 whatever the compute dtype
@@ -38,16 +38,7 @@ def rank_files(manifest: Manifest, rank: int) -> list[FileEntry]:
 def check_files(root: Path, manifest: Manifest, verify: bool = True, rank: int | None = None) -> None:
     """Every file of `rank` (of every rank if None) exists with its size; with `verify`, its sha256
     too (the tamper check)."""
-    entries = manifest.files if rank is None else rank_files(manifest, rank)
-    for entry in entries:
-        path = root / entry.path
-        if not path.is_file():
-            raise MlacError(f"{entry.path}: missing from the artifact")
-        size = path.stat().st_size
-        if size != entry.size:
-            raise MlacError(f"{entry.path}: size {size} does not match the manifest ({entry.size})")
-        if verify and sha256_file(path) != entry.sha256:
-            raise MlacError(f"{entry.path}: sha256 does not match the manifest (file modified or corrupt)")
+    verify_files(root, manifest, files=None if rank is None else rank_files(manifest, rank), hashes=verify)
 
 
 def load_artifact(
