@@ -57,6 +57,7 @@ def tensor_groups(
     top = PassContext(cfg, options, None)
     yield "embed.safetensors", shard.run({"embed": globals_["embed"]}, top)
     for i in range(cfg.num_hidden_layers):
+        ckpt.read_ahead(i + 1)
         tensors = read_layer(ckpt, i, keep_fp8=options.fp8, on_read=on_read)
         ctx = PassContext(cfg, options, i)
         for p in LAYER_PASSES:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable
@@ -240,6 +241,20 @@ class Checkpoint:
             raise MlacError(f"{where} has dtype {info.dtype}, expected {want}")
 
     # ---- reading -------------------------------------------------------------------------
+
+    def read_ahead(self, layer: int) -> None:
+        """Ask the kernel to start reading layer `layer`'s tensors into the page cache (async, no
+        memory of ours), so that the disk works while the previous layer is transformed."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        prefix = f"model.layers.{layer}."
+        for name, info in self.where.items():
+            if name.startswith(prefix):
+                fd = os.open(self.owner[name].path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, info.start, info.nbytes, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
 
     @property
     def total_bytes(self) -> int:
