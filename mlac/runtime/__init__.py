@@ -1,5 +1,7 @@
-"""The runtime: load an artifact (loader), run the model (model, layers) over a paged latent cache
-(kv_cache), pick tokens (sampling), and wrap it all for callers (engine, tokenizer).
+"""The runtime: load an artifact strictly (loader), build one rank's model (model, layers,
+parallel) over a paged latent KV cache (kv_cache), run it in one process per rank (runner, dist),
+schedule requests (scheduler), pick tokens (sampling), and serve callers (engine, tokenizer,
+server, metrics).
 
 Import the submodules directly; `mlac.Engine` and `mlac.SamplingParams` are the public entry points.
 """
