@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mlac.runtime import attention_forms
 from mlac.runtime.engine import Engine
 from mlac.runtime.loader import load_artifact
 
@@ -87,8 +88,11 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.parametrize("form", ["mha", "absorbed"])
 @pytest.mark.parametrize("preset", TINY_PRESETS)
-def test_logits_match_transformers(preset, artifact, hf_model):
+def test_logits_match_transformers(preset, form, artifact, hf_model, monkeypatch):
+    # Both exact prefill forms (runtime/attention_forms.py), forced one way or the other.
+    monkeypatch.setattr(attention_forms, "ABSORBED_MAX_Q_LEN", 0 if form == "mha" else 1 << 30)
     engine = Engine.from_artifact(artifact(preset), dtype=torch.float32)
     model = hf_model(preset)
     for ids in prompts(engine.config.vocab_size):

@@ -1,4 +1,4 @@
-"""Extend (prefill) attention over variable-length sequences with a cached prefix, MHA form.
+"""Extend (prefill) attention over variable-length sequences with a cached prefix.
 
 Sequences are packed cu_seqlens style. Sequence i has q_len_i new tokens (rows
 cu_seqlens_q[i] : cu_seqlens_q[i+1] of q) and kv_len_i = prefix_len_i + q_len_i keys and values
@@ -8,7 +8,8 @@ tokens). New token j sits at position prefix_len_i + j and, when causal, attends
 
     q [T_q, H, d_qk], k [T_kv, H_kv, d_qk], v [T_kv, H_kv, d_v] -> o [T_q, H, d_v]
 
-H_kv must divide H (H_kv == H for DeepSeek's MHA form). Flash-attention tiling: one program per
+H_kv must divide H: H_kv == H in DeepSeek's MHA form (d_qk 192, d_v 128); H_kv == 1 in its absorbed
+form (d_qk 576 = latent + rope, v = the latent's first 512 columns: MQA over the cached latents). Flash-attention tiling: one program per
 (query tile, head, sequence), online softmax over key tiles, the tiles left of the diagonal run
 unmasked. `extend_attention` dispatches: Triton on CUDA, the reference on CPU.
 """
@@ -193,6 +194,8 @@ def _split_head_dim(d: int) -> tuple[int, int]:
 def default_config(d_qk: int, d_v: int, device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if d_v > 256:  # absorbed form (576 / 512, one latent head): the [BM, 512] accumulator bounds BM
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     if d_qk + d_v > 256:  # DeepSeek MHA form (192 / 128): 3 stages beat 2 by 15-20% on an H200
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -256,7 +259,7 @@ def extend_attention(
     out: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ):
-    """Varlen attention of new tokens over [cached prefix + new tokens], MHA form.
+    """Varlen attention of new tokens over [cached prefix + new tokens], MHA or MQA form.
 
     q [T_q, H, d_qk], k [T_kv, H_kv, d_qk], v [T_kv, H_kv, d_v] (one dtype, last dim contiguous),
     cu_seqlens_q / cu_seqlens_kv [N + 1] int32 (kv_len_i >= q_len_i; the prefix is the difference),

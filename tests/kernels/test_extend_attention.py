@@ -73,6 +73,16 @@ def test_extend_attention_other_tiles(triton_device, block_m, block_n):
     check(case, config=dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2))
 
 
+def absorbed_case(q_lens, prefix_lens, heads, dtype, device, seed=0):
+    """DeepSeek's absorbed form: one latent kv head, d_qk = 512 + 64, v = a view of k's first 512."""
+    q, k, _, cu_q, cu_kv, max_q, _ = make_case(q_lens, prefix_lens, heads, 1, 576, 16, dtype, device, seed)
+    return q, k, k[:, :, :512], cu_q, cu_kv, max_q, 1 / math.sqrt(192)
+
+
+def test_extend_attention_absorbed_form(triton_device):
+    check(absorbed_case([3, 17], [20, 0], 2, torch.float32, triton_device, seed=7))
+
+
 def test_extend_attention_not_causal(triton_device):
     check(make_case([7, 20], [3, 0], 2, 2, 32, 32, torch.float32, triton_device, seed=1), causal=False)
 
@@ -118,3 +128,9 @@ def test_extend_attention_gpu_real_sizes(heads):
         [1, 200, 1000, 513], [0, 3000, 17, 128], heads, heads, 192, 128, torch.bfloat16, "cuda", seed=5
     )
     check(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_extend_attention_gpu_absorbed_form(heads):
+    check(absorbed_case([1, 64, 300, 17], [0, 2000, 17, 4096], heads, torch.bfloat16, "cuda", seed=8))

@@ -1,0 +1,83 @@
+"""The two exact forms of MLA prefill/extend attention over cached latents, and the rule between them.
+
+Per head h, with latent c [S, C] and rope key r [S, R] of every cached token, and the absorbed
+weights w_kc [H, nope, C], w_vc [H, C, v]:
+
+- MHA form: decompress k_nope = c · w_kc[h]ᵀ and v = c · w_vc[h] for all S tokens, then attention
+  with head dims nope + R (192) and v (128). Costs 2·S·H·C·(nope + v) FLOPs up front, then cheap
+  attention.
+- Absorbed form: q_lat = q_nope · w_kc[h] (T rows only), MQA of [q_lat ‖ q_rope] over the latents
+  themselves (head dims C + R = 576 and C = 512), then o = o_lat · w_vc[h]. No decompression, but
+  each (query, key) pair costs 576 + 512 instead of 192 + 128 multiply-adds.
+
+Both give the same result up to rounding. Decompression is paid per cached token and the wider
+attention per (query, key) pair, so the absorbed form wins when each sequence adds few tokens to a
+long cache (chunked prefill continuations, speculative verification), the MHA form when it adds many.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mlac.kernels.extend_attention import extend_attention
+
+# Largest kv-weighted mean of new tokens per sequence for which the absorbed form is chosen.
+# FLOP break-even: decompression 2·C·(nope + v) = 262144 per cached token per head against
+# 2·(C + R + C - nope - R - v) = 1536 extra per pair -> about 170 new tokens per sequence.
+# The measured break-even on an H200 (benchmarks/bench_attention.py, "extend forms") sets the value.
+ABSORBED_MAX_Q_LEN = 64
+
+
+def prefer_absorbed(q_lens: Sequence[int], ctx_lens: Sequence[int]) -> bool:
+    """True when the absorbed form is the cheaper one for this batch: the kv-weighted mean number of
+    new tokens per sequence, Σ q_i·kv_i / Σ kv_i, is at most ABSORBED_MAX_Q_LEN."""
+    kv_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
+    pairs = sum(q * kv for q, kv in zip(q_lens, kv_lens, strict=True))
+    return pairs <= ABSORBED_MAX_Q_LEN * sum(kv_lens)
+
+
+def extend_mha(
+    q_nope: torch.Tensor,  # [T, H, nope]
+    q_rope: torch.Tensor,  # [T, H, R] roped
+    kv: torch.Tensor,  # [S, C + R] every sequence's cached tokens, packed
+    w_kc: torch.Tensor,  # [H, nope, C]
+    w_vc: torch.Tensor,  # [H, C, v]
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:  # [T, H, v]
+    """MHA form: K and V decompressed per head from every cached latent."""
+    c = w_kc.shape[-1]
+    latent, k_rope = kv.split([c, kv.shape[-1] - c], dim=-1)
+    k_nope = torch.einsum("sc,hdc->shd", latent, w_kc)  # [S, H, nope]
+    v = torch.einsum("sc,hcv->shv", latent, w_vc).contiguous()  # [S, H, v]
+    k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, w_kc.shape[0], -1)], dim=-1)  # [S, H, nope + R]
+    q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
+    return extend_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, max_seqlen_q=max_seqlen_q)
+
+
+def extend_absorbed(
+    q_nope: torch.Tensor,  # [T, H, nope]
+    q_rope: torch.Tensor,  # [T, H, R] roped
+    kv: torch.Tensor,  # [S, C + R] every sequence's cached tokens, packed
+    w_kc: torch.Tensor,  # [H, nope, C]
+    w_vc: torch.Tensor,  # [H, C, v]
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:  # [T, H, v]
+    """Absorbed form: MQA over the latents (one shared K = latent ‖ rope, V = latent)."""
+    c = w_kc.shape[-1]
+    q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
+    q = torch.cat([q_lat, q_rope.to(q_lat.dtype)], dim=-1)  # [T, H, C + R]
+    k = kv[:, None, :]  # [S, 1, C + R]
+    v = kv[:, None, :c]  # [S, 1, C], a view: last dim contiguous
+    o_lat = extend_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, max_seqlen_q=max_seqlen_q)
+    return torch.einsum("thc,hcv->thv", o_lat, w_vc)  # [T, H, v]
+
+
+__all__ = ["ABSORBED_MAX_Q_LEN", "extend_absorbed", "extend_mha", "prefer_absorbed"]
