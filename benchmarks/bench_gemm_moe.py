@@ -28,6 +28,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlac.kernels import fp8_gemm as G  # noqa: E402
 from mlac.kernels import moe as M  # noqa: E402
+from mlac.kernels import moe_routing as R  # noqa: E402
 
 DEV = "cuda"
 L2_ROTATE_BYTES = 256 << 20  # rotate inputs until one pass over them is ~4x the 60 MB L2
@@ -341,40 +342,43 @@ def bench_moe(case, ceil: dict, quick: bool) -> dict:
 
 
 def bench_routing() -> list[dict]:
+    """route_ref (many small torch ops) against the fused Triton kernel, same inputs; the ids must
+    match exactly and the weights to float32 roundings (tests/kernels/test_moe_routing.py)."""
     out = []
     for name, e, k, method, scoring, ng, tg, norm, rsf, t in [
         ("v2lite-greedy", 64, 6, "greedy", "softmax", 1, 1, False, 1.0, 1),
         ("v2lite-greedy", 64, 6, "greedy", "softmax", 1, 1, False, 1.0, 2048),
         ("v3-noaux_tc", 256, 8, "noaux_tc", "sigmoid", 8, 4, True, 2.5, 64),
         ("v3-noaux_tc", 256, 8, "noaux_tc", "sigmoid", 8, 4, True, 2.5, 256),
+        ("v3-noaux_tc", 256, 8, "noaux_tc", "sigmoid", 8, 4, True, 2.5, 4096),
     ]:
         logits = torch.randn(t, e, device=DEV)
         bias = torch.randn(e, device=DEV) * 0.1 if method == "noaux_tc" else None
+        args = (logits, k, method, scoring, ng, tg, norm, rsf, bias)
 
-        def run(
-            logits=logits,
-            bias=bias,
-            e=e,
-            k=k,
-            method=method,
-            scoring=scoring,
-            ng=ng,
-            tg=tg,
-            norm=norm,
-            rsf=rsf,
-        ):
-            return M.route_ref(logits, k, method, scoring, ng, tg, norm, rsf, bias)
+        def ref(args=args):
+            return R.route_ref(*args)
 
-        out.append(
-            {
-                "kernel": "route_ref",
-                "case": name,
-                "T": t,
-                "eager_us": time_eager(run),
-                "graph_us": time_graph([run]),
-            }
-        )
-        log(f"  route {name} T={t}: {out[-1]}")
+        def fused(args=args):
+            return R.route(*args, use_triton=True)
+
+        (ref_w, ref_ids), (w, ids) = ref(), fused()
+        row = {
+            "kernel": "route",
+            "case": name,
+            "T": t,
+            "ref_eager_us": time_eager(ref),
+            "ref_graph_us": time_graph([ref]),
+            "triton_eager_us": time_eager(fused),
+            "triton_graph_us": time_graph([fused]),
+            "ids_equal": bool(torch.equal(ids, ref_ids)),
+            "max_weight_diff": (w - ref_w).abs().max().item(),
+            "max_weight_rel_diff": ((w - ref_w).abs() / ref_w.abs()).max().item(),
+        }
+        row["speedup_graph"] = row["ref_graph_us"] / row["triton_graph_us"]
+        row["speedup_eager"] = row["ref_eager_us"] / row["triton_eager_us"]
+        out.append(row)
+        log(f"  route {name} T={t}: {row}")
     return out
 
 
@@ -413,10 +417,19 @@ def table(res: dict) -> str:
         lines.append(
             f"{r['kernel']:<10}{shape:<34}{r['us']:>9.1f}{'':>9}{value:>22}{r['fraction_copy']:>7.2f}"
         )
-    for r in res["routing"]:
+    for r in res["routing"]:  # best us: Triton, base us: route_ref (CUDA graph); eager after
         shape = f"{r['case']} T={r['T']}"
-        eager = f"eager {r['eager_us']:.0f}"
-        lines.append(f"{'route_ref':<10}{shape:<34}{r['graph_us']:>9.1f}{eager:>31}")
+        if "triton_graph_us" not in r:  # recorded before the Triton kernel: route_ref only
+            lines.append(
+                f"{'route_ref':<10}{shape:<34}{r['graph_us']:>9.1f}{'eager':>27} {r['eager_us']:.0f}"
+            )
+            continue
+        value = f"{r['speedup_graph']:.1f}x ids {'equal' if r['ids_equal'] else 'DIFFER'}"
+        eager = f"eager {r['triton_eager_us']:.0f} / ref {r['ref_eager_us']:.0f}"
+        lines.append(
+            f"{'route':<10}{shape:<34}{r['triton_graph_us']:>9.1f}{'':>9}{value:>22}{'':>16}"
+            f"{r['ref_graph_us']:>10.1f}{r['max_weight_rel_diff']:>9.1e}  {eager}"
+        )
     return "\n".join(lines)
 
 
