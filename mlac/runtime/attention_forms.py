@@ -22,11 +22,15 @@ from collections.abc import Sequence
 import torch
 
 from mlac.kernels.extend_attention import extend_attention
+from mlac.kernels.head_bmm import head_bmm
 
 # Largest kv-weighted mean of new tokens per sequence for which the absorbed form is chosen.
 # FLOP break-even: decompression 2·C·(nope + v) = 262144 per cached token per head against
 # 2·(C + R + C - nope - R - v) = 1536 extra per pair -> about 170 new tokens per sequence.
-# The measured break-even on an H200 (benchmarks/bench_attention.py, "extend forms") sets the value.
+# Measured on an H200 (benchmarks/bench_attention.py, "extend forms"; 16 and 128 heads, 8 sequences
+# on a 4096-token prefix): absorbed 0.45-0.48 ms vs MHA 0.67-0.68 ms up to 64 new tokens each, MHA
+# ahead from 128 (0.70 vs 0.92 ms). A lone 256-token prompt still favoured absorbed (0.14 vs
+# 0.18 ms), a 4096-token one MHA (0.38 vs 1.91 ms).
 ABSORBED_MAX_Q_LEN = 64
 
 
@@ -72,12 +76,12 @@ def extend_absorbed(
 ) -> torch.Tensor:  # [T, H, v]
     """Absorbed form: MQA over the latents (one shared K = latent ‖ rope, V = latent)."""
     c = w_kc.shape[-1]
-    q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
+    q_lat = head_bmm(q_nope, w_kc)  # [T, H, C]
     q = torch.cat([q_lat, q_rope.to(q_lat.dtype)], dim=-1)  # [T, H, C + R]
     k = kv[:, None, :]  # [S, 1, C + R]
     v = kv[:, None, :c]  # [S, 1, C], a view: last dim contiguous
     o_lat = extend_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, max_seqlen_q=max_seqlen_q)
-    return torch.einsum("thc,hcv->thv", o_lat, w_vc)  # [T, H, v]
+    return head_bmm(o_lat, w_vc)  # [T, H, v]
 
 
 __all__ = ["ABSORBED_MAX_Q_LEN", "extend_absorbed", "extend_mha", "prefer_absorbed"]

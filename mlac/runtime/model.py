@@ -4,8 +4,9 @@ Shapes: T packed new tokens of a step, B sequences, S cached tokens of a sequenc
 D hidden, C = kv_lora (latent), R = rope dims, `nope`/`v` per-head dims.
 
 Attention reads and writes the paged latent cache (kv_cache.py): each token caches
-`kv_norm(latent) ‖ rope(k_rope)` [C + R]. Prefill/extend decompresses K and V per head from the
-latents (MHA form); decode stays in latent space (absorbed form: MQA over the latents).
+`kv_norm(latent) ‖ rope(k_rope)` [C + R]. Decode stays in latent space (absorbed form: MQA over the
+latents); prefill/extend picks per step between that and decompressing K and V per head from the
+latents (MHA form), whichever is cheaper (attention_forms.py).
 
 Parallel (parallel.py, slices as the shard pass cut them): each of the tp ranks runs
 `n_local_heads = H / tp` heads and its slice of every MLP, and either a slice of every routed
@@ -22,9 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlac.config import ModelConfig
-from mlac.kernels.extend_attention import extend_attention
+from mlac.kernels.head_bmm import head_bmm
 from mlac.kernels.mla_decode import mla_decode
-from mlac.kernels.moe import fused_moe, route_ref
+from mlac.kernels.moe import fused_moe
+from mlac.kernels.moe_routing import route
+from mlac.runtime.attention_forms import extend_absorbed, extend_mha, prefer_absorbed
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Linear, RMSNorm, RotaryEmbedding, Weights, apply_rope, take_weight
 from mlac.runtime.parallel import (
@@ -99,25 +102,22 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """Absorbed form, one new token per sequence: MQA over the paged latents -> [B, H_local, v].
         An FP8 cache is read with its per-layer scale."""
-        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, self.w_kc).contiguous()  # [B, H_local, C]
+        q_lat = head_bmm(q_nope, self.w_kc)  # [B, H_local, C] contiguous
         kv, kv_scale = cache.layers[self.layer], cache.kv_scale(self.layer)  # [blocks, block_size, C + R]
         o_lat = mla_decode(q_lat, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale, kv_scale)
-        return torch.einsum("bhc,hcv->bhv", o_lat, self.w_vc)
+        return head_bmm(o_lat, self.w_vc)  # [B, H_local, v]
 
     def extend(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
     ) -> torch.Tensor:
-        """MHA form (prefill, or extend after a cached prefix), causal -> [T, H_local, v].
-
-        K and V are decompressed from every sequence's cached latents (prefix and new tokens)."""
+        """Prefill, or extend after a cached prefix, causal -> [T, H_local, v]: over every sequence's
+        cached latents (prefix and new tokens), in the cheaper exact form (attention_forms.py)."""
         kv = cache.read(self.layer, batch.kv_slots)  # [S, C + R], all sequences packed
-        latent, k_rope = kv.split([self.kv_lora, self.rope], dim=-1)
-        k_nope = torch.einsum("sc,hdc->shd", latent, self.w_kc)  # [S, H_local, nope]
-        v = torch.einsum("sc,hcv->shv", latent, self.w_vc).contiguous()  # [S, H_local, v]
-        k_rope = k_rope[:, None, :].expand(-1, self.n_local_heads, -1)
-        k = torch.cat([k_nope, k_rope], dim=-1)  # [S, H_local, nope + R]
-        q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H_local, nope + R]
-        return extend_attention(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_kv, self.scale)
+        form = extend_absorbed if prefer_absorbed(batch.q_lens, batch.ctx_lens) else extend_mha
+        return form(
+            q_nope, q_rope, kv, self.w_kc, self.w_vc,
+            batch.cu_seqlens_q, batch.cu_seqlens_kv, max(batch.q_lens), self.scale,
+        )  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -137,7 +137,7 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (float32 router, `route_ref`, `fused_moe`) plus the shared experts.
+    """Routed experts (float32 router logits, `route`, `fused_moe`) plus the shared experts.
 
     The router is replicated: every rank routes every token identically. ep == 1: each rank holds
     a slice of every expert; ep == tp: rank r holds experts [r·E/tp, (r+1)·E/tp) whole, and the ids
@@ -163,7 +163,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         c = self.config
         logits = x.float() @ self.gate.float().T  # [T, E]
-        weights, ids = route_ref(
+        weights, ids = route(
             logits,
             top_k=c.num_experts_per_tok,
             method=c.topk_method,
