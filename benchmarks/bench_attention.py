@@ -30,6 +30,7 @@ from mlac.kernels.extend_attention import default_config as extend_default  # no
 from mlac.kernels.extend_attention import extend_attention_ref, extend_attention_triton  # noqa: E402
 from mlac.kernels.mla_decode import choose_num_splits, mla_decode_ref, mla_decode_triton  # noqa: E402
 from mlac.kernels.mla_decode import default_config as decode_default  # noqa: E402
+from mlac.runtime.attention_forms import extend_absorbed, extend_mha, prefer_absorbed  # noqa: E402
 
 KV_LORA, ROPE, PAGE = 512, 64, 64
 N_ROT = 4  # query sets rotated through
@@ -146,15 +147,17 @@ def bench_decode(name, batch, heads, seq, kv_dtype, copy_gbs, mm_tflops, quick=F
     )  # fmt: skip
 
 
-def bench_extend(name, n_seq, q_len, prefix, heads, mm_tflops):
-    d_qk, d_v = 192, 128
+def bench_extend(name, n_seq, q_len, prefix, heads, mm_tflops, absorbed=False):
+    """MHA form (H heads of 192 / 128) or, with `absorbed`, the absorbed form's MQA (one latent head,
+    576 / 512, v a view of k) over the same sequences."""
+    d_qk, d_v, kv_heads = (KV_LORA + ROPE, KV_LORA, 1) if absorbed else (192, 128, heads)
     kv_len = prefix + q_len
     q = torch.randn(n_seq * q_len, heads, d_qk, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(n_seq * kv_len, heads, d_qk, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(n_seq * kv_len, heads, d_v, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(n_seq * kv_len, kv_heads, d_qk, device="cuda", dtype=torch.bfloat16)
+    v = k[:, :, :KV_LORA] if absorbed else torch.randn(n_seq * kv_len, heads, d_v, device="cuda").bfloat16()
     cu_q = torch.arange(0, n_seq + 1, device="cuda", dtype=torch.int32) * q_len
     cu_kv = torch.arange(0, n_seq + 1, device="cuda", dtype=torch.int32) * kv_len
-    scale = 1 / math.sqrt(d_qk)
+    scale = 1 / math.sqrt(192)
     # causal pairs: each new token sees prefix + its index + 1 keys
     pairs = n_seq * (q_len * prefix + q_len * (q_len + 1) // 2)
     flops = 2 * heads * pairs * (d_qk + d_v)
@@ -162,7 +165,11 @@ def bench_extend(name, n_seq, q_len, prefix, heads, mm_tflops):
     ref_ms = median_ms(lambda: extend_attention_ref(q, k, v, cu_q, cu_kv, scale), rep=100)
     base = extend_default(d_qk, d_v, q.device)
     rows = []
-    for label, cfg in [("default", base), ("alt0", {**base, "num_stages": 2})]:
+    alts = [{**base, "num_stages": 2}]
+    if absorbed:
+        alts = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+                for m, n, w, st in [(32, 32, 4, 2), (64, 32, 4, 1), (64, 64, 8, 1), (128, 32, 8, 1), (32, 64, 4, 2)]]  # fmt: skip
+    for label, cfg in [("default", base), *((f"alt{i}", c) for i, c in enumerate(alts))]:
         row = dict(config=label, **cfg)
         try:
             o = extend_attention_triton(q, k, v, cu_q, cu_kv, q_len, scale, config=cfg)
@@ -177,9 +184,44 @@ def bench_extend(name, n_seq, q_len, prefix, heads, mm_tflops):
         rows.append(row)
         print(name, row, flush=True)
     return dict(
-        name=name, kind="extend_attention", n_seq=n_seq, q_len=q_len, prefix=prefix, heads=heads,
+        name=name, kind="extend_attention", n_seq=n_seq, q_len=q_len, prefix=prefix, heads=heads, kv_heads=kv_heads,
         d_qk=d_qk, d_v=d_v, flops=flops, ref_ms=ref_ms, configs=rows,
     )  # fmt: skip
+
+
+def bench_extend_forms(n_seq, q_len, prefix, heads):
+    """Whole MLA prefill attention of one layer in both exact forms (runtime/attention_forms.py),
+    from q_nope/q_rope and the gathered latents to the [T, H, 128] output: MHA form (decompress
+    K/V for every cached token) and absorbed form (MQA over the latents)."""
+    t, s = n_seq * q_len, n_seq * (prefix + q_len)
+    q = torch.randn(t, heads, 192, device="cuda", dtype=torch.bfloat16)
+    q_nope, q_rope = q.split([128, ROPE], dim=-1)
+    kv = torch.randn(s, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+    w_kc = torch.randn(heads, 128, KV_LORA, device="cuda", dtype=torch.bfloat16) / KV_LORA**0.5
+    w_vc = torch.randn(heads, KV_LORA, 128, device="cuda", dtype=torch.bfloat16) / KV_LORA**0.5
+    cu_q = torch.arange(0, n_seq + 1, device="cuda", dtype=torch.int32) * q_len
+    cu_kv = torch.arange(0, n_seq + 1, device="cuda", dtype=torch.int32) * (prefix + q_len)
+    args = (q_nope, q_rope, kv, w_kc, w_vc, cu_q, cu_kv, q_len, 1 / math.sqrt(192))
+    row = dict(n_seq=n_seq, q_len=q_len, prefix=prefix, heads=heads,
+               rule_picks="absorbed" if prefer_absorbed([q_len] * n_seq, [prefix] * n_seq) else "mha")  # fmt: skip
+    try:
+        mha = extend_mha(*args)
+        row["rel_diff"] = rel_err(extend_absorbed(*args), mha)
+        row["mha_ms"] = median_ms(lambda: extend_mha(*args), rep=50)
+        row["absorbed_ms"] = median_ms(lambda: extend_absorbed(*args), rep=50)
+        row["faster"] = "absorbed" if row["absorbed_ms"] < row["mha_ms"] else "mha"
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        traceback.print_exc()
+    print("extend forms", row, flush=True)
+    return row
+
+
+EXTEND_FORM_CASES = [  # (n_seq, q_len, prefix, heads): where does the absorbed form stop winning?
+    *[(8, q, 4096, 16) for q in (1, 4, 16, 32, 64, 128, 256, 1024)],
+    *[(1, q, 0, 16) for q in (16, 64, 256, 4096)],
+    *[(8, q, 4096, 128) for q in (4, 64, 256)],
+]
 
 
 def best(rows):
@@ -225,11 +267,14 @@ def run(quick: bool = False) -> dict:
         bench_decode("decode fp8 H128 64x8192", 64, 128, 8192, torch.float8_e4m3fn, copy_gbs, mm, True),
         bench_extend("extend bf16 H16 4x4096 (prefix 0)", 4, 4096, 0, 16, mm),
         bench_extend("extend bf16 H16 8x1024 (prefix 3072)", 8, 1024, 3072, 16, mm),
+        bench_extend("extend absorbed H16 8x64 (prefix 4096)", 8, 64, 4096, 16, mm, absorbed=True),
+        bench_extend("extend absorbed H128 8x64 (prefix 4096)", 8, 64, 4096, 128, mm, absorbed=True),
     ]
+    forms = [bench_extend_forms(*case) for case in EXTEND_FORM_CASES]
     return dict(
         device=props.name, sm_count=props.multi_processor_count, torch=torch.__version__,
         triton=triton.__version__, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        copy_gbs=copy_gbs, bf16_matmul_tflops=mm, cases=cases,
+        copy_gbs=copy_gbs, bf16_matmul_tflops=mm, cases=cases, extend_forms=forms,
     )  # fmt: skip
 
 
@@ -253,6 +298,15 @@ def table(result: dict) -> str:
                 f"{c['name']:38s} {r['config']:8s} {r['ms']:8.3f} {gbs} {frac} {r['tflops']:8.1f}"
                 f" {c['ref_ms']:8.2f} {r['rel_err']:8.1e}"
             )
+    lines.append(f"MLA prefill attention, whole layer: {'n_seq x q_len (prefix, H)':34s} {'mha ms':>8s} "
+                 f"{'abs ms':>8s} {'faster':>9s} {'rule':>9s} {'diff':>8s}")  # fmt: skip
+    for r in result.get("extend_forms", []):
+        shape = f"{r['n_seq']} x {r['q_len']} (prefix {r['prefix']}, H{r['heads']})"
+        if "error" in r:
+            lines.append(f"{'':36s}{shape:34s} failed: {r['error']}")
+            continue
+        lines.append(f"{'':36s}{shape:34s} {r['mha_ms']:8.3f} {r['absorbed_ms']:8.3f} {r['faster']:>9s} "
+                     f"{r['rule_picks']:>9s} {r['rel_diff']:8.1e}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@
     python benchmarks/kernels.py [--quick] [--out benchmarks/results/kernels_h200.json]
     python benchmarks/kernels.py --from-results     # the table of the recorded results, no GPU
 
-Runs benchmarks/bench_attention.py (MLA decode, extend attention) and bench_gemm_moe.py
-(block-FP8 GEMM, fused MoE, w_kc/w_vc bmm, routing). Each measures its ceilings in the same
+Runs benchmarks/bench_attention.py (MLA decode, extend attention, the two MLA prefill forms),
+bench_gemm_moe.py (block-FP8 GEMM, fused MoE, routing) and bench_head_bmm.py (w_kc/w_vc: einsum
+against the Triton head matmul with bf16 and FP8 weights). Each measures its ceilings in the same
 run (device-to-device copy; bf16 matmul; torch._scaled_mm rowwise FP8) and the plain-torch
 baseline of every kernel, and reports median time, GB/s or TFLOP/s and the fraction of ceiling.
 """
@@ -21,6 +22,7 @@ sys.path.insert(0, str(HERE))
 
 import bench_attention  # noqa: E402
 import bench_gemm_moe  # noqa: E402
+import bench_head_bmm  # noqa: E402
 
 
 def main() -> None:
@@ -30,16 +32,23 @@ def main() -> None:
     ap.add_argument("--from-results", action="store_true", help="print the recorded results (no GPU needed)")
     args = ap.parse_args()
     if args.from_results:
-        attention = json.loads((HERE / "results" / "attention_h200.json").read_text())
-        gemm_moe = json.loads((HERE / "results" / "gemm_moe_h200.json").read_text())
+        res = json.loads(args.out.read_text())
     else:
-        attention = bench_attention.run(args.quick)
-        gemm_moe = bench_gemm_moe.run(args.quick)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"attention": attention, "gemm_moe": gemm_moe}, indent=1))
-    print(bench_attention.table(attention))
+        res = {}
+        # each part is written as soon as it is done: a later failure keeps the earlier numbers
+        res["attention"] = bench_attention.run(args.quick)
+        args.out.write_text(json.dumps(res, indent=1))
+        res["gemm_moe"] = bench_gemm_moe.run(args.quick)
+        args.out.write_text(json.dumps(res, indent=1))
+        res["head_bmm"] = bench_head_bmm.run(res["gemm_moe"]["ceilings"], args.quick)
+        args.out.write_text(json.dumps(res, indent=1))
+    print(bench_attention.table(res["attention"]))
     print()
-    print(bench_gemm_moe.table(gemm_moe))
+    print(bench_gemm_moe.table(res["gemm_moe"]))
+    if "head_bmm" in res:
+        print()
+        print(bench_head_bmm.table(res["head_bmm"]))
 
 
 if __name__ == "__main__":
