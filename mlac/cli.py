@@ -273,12 +273,18 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
 @click.option("--master-addr", default="127.0.0.1", show_default=True, help="Rendezvous address (node 0).")
 @click.option("--master-port", type=int, default=29500, show_default=True, help="Rendezvous port.")
 @click.option(
+    "--warmup/--no-warmup",
+    default=True,
+    show_default=True,
+    help="On CUDA, run the step shapes once (Triton JIT) before /health reports ready.",
+)
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
           num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, nnodes, node_rank, master_addr,
-          master_port, log_level):  # fmt: skip
+          master_port, warmup, log_level):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
 
     \b
@@ -300,6 +306,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size),
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
+        warmup=warmup,
     )  # fmt: skip
     if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
         load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process

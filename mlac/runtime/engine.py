@@ -196,6 +196,35 @@ class Engine:
             self.cache.allocator.free(table)
         return torch.cat(out)
 
+    # ---- warm-up -----------------------------------------------------------------------------
+
+    def warmup(self, force: bool = False) -> list[tuple[int, int]]:
+        """Run once the step shapes a server meets, so that Triton compiles (JIT) its kernels before
+        the first request rather than during it. CUDA only (nothing is compiled on CPU) unless
+        `force`. Returns the (sequences, prompt tokens each) batches it ran; each runs its prefill
+        and one decode step, and gives its blocks back.
+
+        Triton compiles a kernel per constexpr config, which the wrappers pick from the token count
+        (GEMM decode / mid / prefill tiles, MoE rows per expert, MHA or absorbed prefill form), and
+        per integer argument equal to 1 or divisible by 16. Hence decode batches of 1, 3, 16 and
+        max_running_requests (4-token prompts: absorbed-form prefills of 4-4·max tokens), and
+        one-sequence prefills of 100 tokens (MHA form) and of the chunk size. Shapes that do not fit
+        the KV cache or the context are left out."""
+        if self.device.type != "cuda" and not force:
+            return []
+        limits = self.scheduler_config
+        shapes = [(n, 4) for n in sorted({1, 3, 16, limits.max_running_requests})]
+        shapes += [(1, n) for n in sorted({100, limits.chunked_prefill_size})]
+        vocab, alloc, ran = self.config.vocab_size, self.cache.allocator, []
+        for n_seq, length in shapes:
+            length = min(length, self.max_context - 2)  # prompt + 2 tokens fit the context
+            if length < 1 or n_seq * alloc.blocks_for(length + 2) > alloc.num_free:
+                continue
+            prompts = [[3 + (i * 31 + j * 7) % (vocab - 3) for j in range(length)] for i in range(n_seq)]
+            self.generate_batch(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+            ran.append((n_seq, length))
+        return ran
+
     # ---- requests ----------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt | torch.Tensor) -> list[int]:

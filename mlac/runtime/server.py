@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn).
 
-    GET  /health                  200 once the model is loaded; 503 while loading or draining
+    GET  /health                  200 once the model is loaded (and warmed up); 503 while loading or draining
     GET  /metrics                 Prometheus text format (metrics.py)
     GET  /v1/models               the served model
     POST /v1/completions          prompt (string, token ids, or a list of those) -> text
@@ -77,6 +77,7 @@ class ServerConfig:
     launch: LaunchSpec | None = None  # how the ranks of a multi-node artifact meet
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     verify: bool = True
+    warmup: bool = True  # run the step shapes once before /health turns ready (CUDA: Triton JIT)
 
     def __post_init__(self) -> None:
         for name, low in (("max_queue", 0), ("drain_timeout", 0), ("max_body_bytes", 1), ("port", 0)):
@@ -814,11 +815,21 @@ def load_engine(config: ServerConfig):
 
     from mlac.runtime.engine import Engine
 
-    return Engine.from_artifact(
+    engine = Engine.from_artifact(
         config.artifact, device=config.device, dtype=getattr(torch, config.dtype), verify=config.verify,
         num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes, launch=config.launch,
         scheduler_config=config.scheduler,
     )  # fmt: skip
+    if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
+        start = time.monotonic()
+        try:
+            shapes = engine.warmup()
+        except BaseException:
+            engine.close()
+            raise
+        if shapes:
+            log.info("warm-up: %d batch shapes in %.1f s", len(shapes), time.monotonic() - start)
+    return engine
 
 
 def make_server(config: ServerConfig, log_level: str = "info", load: Callable[[], Any] | None = None):

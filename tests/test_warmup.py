@@ -1,0 +1,34 @@
+"""Engine.warmup: the step shapes a server meets, run once before it reports ready (Triton JIT)."""
+
+from __future__ import annotations
+
+import torch
+
+from mlac.runtime.engine import Engine
+from mlac.runtime.scheduler import SchedulerConfig
+
+PROMPT = [5, 9, 2, 7, 11, 3, 8]
+
+
+def test_warmup_is_a_no_op_on_cpu(artifact):
+    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, num_blocks=64)
+    assert engine.warmup() == []
+
+
+def test_forced_warmup_runs_every_shape_and_leaves_no_trace(artifact):
+    path = artifact("tiny-v3")
+    limits = SchedulerConfig(max_running_requests=8, chunked_prefill_size=120)
+    engine = Engine.from_artifact(path, dtype=torch.float32, num_blocks=256, scheduler_config=limits)
+    assert engine.warmup(force=True) == [(1, 4), (3, 4), (8, 4), (16, 4), (1, 100), (1, 120)]
+    assert engine.cache.allocator.num_free == engine.cache.num_blocks
+    fresh = Engine.from_artifact(path, dtype=torch.float32, num_blocks=256)
+    want = fresh.generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids
+    assert engine.generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids == want
+
+
+def test_warmup_skips_what_the_cache_cannot_hold(artifact):
+    # 10 blocks of 16 tokens: 16 sequences of 6 tokens need 16 blocks, a 100-token prompt 7
+    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, num_blocks=10)
+    ran = engine.warmup(force=True)
+    assert (16, 4) not in ran and (64, 4) not in ran and (1, 100) in ran and (1, 4) in ran
+    assert engine.cache.allocator.num_free == engine.cache.num_blocks
