@@ -32,3 +32,14 @@ def test_warmup_skips_what_the_cache_cannot_hold(artifact):
     ran = engine.warmup(force=True)
     assert (16, 4) not in ran and (64, 4) not in ran and (1, 100) in ran and (1, 4) in ran
     assert engine.cache.allocator.num_free == engine.cache.num_blocks
+
+
+def test_server_load_warms_up_unless_told_not_to(artifact, monkeypatch):
+    from mlac.runtime.server import ServerConfig, load_engine
+
+    calls = []
+    monkeypatch.setattr(Engine, "warmup", lambda self, force=False: calls.append(self) or [(1, 4)])
+    for warmup in (True, False):
+        engine = load_engine(ServerConfig(artifact=artifact("tiny-v3"), num_blocks=32, warmup=warmup))
+        engine.close()
+    assert len(calls) == 1
