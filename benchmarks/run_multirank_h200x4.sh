@@ -23,6 +23,7 @@
 #
 # Run: device tool, kind nvidia-h200-x4, carry [".whl"], timeout_s 600, command
 #   bash benchmarks/run_multirank_h200x4.sh
+# On a 2x H200 machine (kind nvidia-h200-x2): PLANS=tp2 GPU_TESTS_S=0 bash benchmarks/run_multirank_h200x4.sh
 # Smoke test of this procedure on a CPU machine (tiny checkpoint, gloo, small sizes):
 #   OUT=/tmp/o DEVICE=cpu SKIP_INSTALL=1 SYNTH=tiny-v3 SERVE_SIZES="--batches 1,4 --max-tokens 8
 #   --prompt-len 16 --peak-requests 16 --peak-prompt-len 16 --peak-max-tokens 8" bash benchmarks/run_multirank_h200x4.sh
@@ -37,6 +38,7 @@ ulimit -n 65536 2>/dev/null || true  # 1024 streams in flight: a socket each, cl
 MLAC="python3 -m mlac.cli"
 W=${W:-/tmp/w}
 DEVICE=${DEVICE:-cuda}
+PLANS=${PLANS:-"tp4ep4 tp4 tp2"} # which multi-rank artifacts to compile, compare and serve (tp1 always)
 SYNTH=${SYNTH:-"--from-config tests/configs/DeepSeek-V3.json --num-layers 2"}
 SERVE_SIZES=${SERVE_SIZES:-"--batches 1,32,256 --prompt-len 64 --max-tokens 64
   --peak-requests 1024 --peak-prompt-len 128 --peak-max-tokens 128"}
@@ -84,9 +86,14 @@ echo "server deps (fastapi, starlette, uvicorn, httpx): $SERVE_DEPS" | tee -a "$
 # ---- 0. every GPU-marked test on GPU 0, in the background while the CPUs synth and compile -----
 # (kernels at real shapes; the runtime on CUDA against the CPU path: gpu_e2e.json). Its log goes
 # into log.txt once it ends; it must end before the GPUs are used for logits.
-CUDA_VISIBLE_DEVICES=0 MLAC_GPU_RESULTS=$OUT/gpu_e2e.json timeout -k 10 ${GPU_TESTS_S:-240} \
-  python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu tests/ >$W/gpu_tests.log 2>&1 &
-GPU_TESTS=$!
+if [ "${GPU_TESTS_S:-240}" -gt 0 ]; then
+  CUDA_VISIBLE_DEVICES=0 MLAC_GPU_RESULTS=$OUT/gpu_e2e.json timeout -k 10 ${GPU_TESTS_S:-240} \
+    python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu tests/ >$W/gpu_tests.log 2>&1 &
+  GPU_TESTS=$!
+else
+  echo "gpu tests: not run (GPU_TESTS_S=0)" >$W/gpu_tests.log
+  GPU_TESTS=
+fi
 
 # ---- 1. synth (reserve: compiles 60 + logits 60 + serves 3 x 60) ------------------------------
 # shellcheck disable=SC2086  # SYNTH: several words
@@ -104,14 +111,17 @@ CAP=$(cap 260 240)
 PIDS=()
 compile tp1 --fp8 &
 PIDS+=($!)
-compile tp4ep4 --tp 4 --ep 4 --fp8 &
-PIDS+=($!)
-compile tp4 --tp 4 --fp8 &
-PIDS+=($!)
-compile tp2 --tp 2 --fp8 &
-PIDS+=($!)
+for name in $PLANS; do
+  case $name in
+    tp4ep4) compile tp4ep4 --tp 4 --ep 4 --fp8 & ;;
+    tp4) compile tp4 --tp 4 --fp8 & ;;
+    tp2) compile tp2 --tp 2 --fp8 & ;;
+    *) echo "unknown plan $name"; exit 1 ;;
+  esac
+  PIDS+=($!)
+done
 wait "${PIDS[@]}"
-for name in tp1 tp4ep4 tp4 tp2; do
+for name in tp1 $PLANS; do
   echo "== compile $name"
   grep -E "^(source|wrote|error|Traceback)" $W/compile-$name.log | tail -4
 done
@@ -119,13 +129,15 @@ grep "^compile" "$OUT/steps.txt"
 du -sh $W/tp* 2>/dev/null
 df -h /tmp | tail -1
 
-wait $GPU_TESTS
-echo "gpu tests: rc=$? at $(($(date +%s) - T0)) s" | tee -a "$OUT/steps.txt"
+if [ -n "$GPU_TESTS" ]; then
+  wait $GPU_TESTS
+  echo "gpu tests: rc=$? at $(($(date +%s) - T0)) s" | tee -a "$OUT/steps.txt"
+fi
 tail -40 $W/gpu_tests.log
 
 # ---- 3. logits of each multi-rank artifact vs tp1 (reserve: serves 3 x 60) ---------------------
 MANY=()
-for name in tp4ep4 tp4 tp2; do [ -f $W/$name/manifest.json ] && MANY+=($W/$name); done
+for name in $PLANS; do [ -f $W/$name/manifest.json ] && MANY+=($W/$name); done
 if [ -f $W/tp1/manifest.json ] && ((${#MANY[@]})); then
   step logits "$(cap 120 180)" python3 benchmarks/multirank_gpu.py --skip-decode --device $DEVICE --one $W/tp1 \
     --many "${MANY[@]}" --json "$OUT/multirank_v3.json"
@@ -152,9 +164,9 @@ serve() { # serve NAME SECONDS [VAR=VALUE...]
   fi
 }
 if [ $SERVE_DEPS = ok ]; then
-  serve tp4ep4 "$(cap 150 120)"
-  serve tp4 "$(cap 150 60)"
-  serve tp2 "$(cap 150 0)" CUDA_VISIBLE_DEVICES=0,1
+  [[ " $PLANS " == *" tp4ep4 "* ]] && serve tp4ep4 "$(cap 150 120)"
+  [[ " $PLANS " == *" tp4 "* ]] && serve tp4 "$(cap 150 60)"
+  [[ " $PLANS " == *" tp2 "* ]] && serve tp2 "$(cap 150 0)" CUDA_VISIBLE_DEVICES=0,1
 fi
 
 echo "== end at $(($(date +%s) - T0)) s"
