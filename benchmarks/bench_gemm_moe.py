@@ -1,4 +1,4 @@
-"""Benchmark: block-FP8 GEMM, absorbed-MLA bmm and fused MoE on one GPU, against ceilings measured
+"""Benchmark: block-FP8 GEMM, fused MoE and MoE routing on one GPU, against ceilings measured
 in the same run (copy bandwidth, bf16 matmul, rowwise-scaled FP8 matmul).
 
     python benchmarks/bench_gemm_moe.py [--out results.json] [--quick]
@@ -180,38 +180,6 @@ def bench_gemm(m: int, n: int, k: int, ceil: dict, quick: bool) -> dict:
             target_TFLOPs=900 if min(n, k) >= 4096 else None,
         )
     return res
-
-
-# ---- absorbed MLA batched matmuls (w_kc, w_vc) ------------------------------------------------
-
-
-def bench_bmm(b: int, ceil: dict) -> list[dict]:
-    h, nope, c, v = 16, 128, 512, 128  # V3 TP-8 / V2-Lite local heads
-    out = []
-    for name, eq, a_shape, w_shape in [
-        ("w_kc", "bhd,hdc->bhc", (b, h, nope), (h, nope, c)),
-        ("w_vc", "bhc,hcv->bhv", (b, h, c), (h, c, v)),
-    ]:
-        wbytes = math.prod(w_shape) * 2
-        rot = max(1, min(16, math.ceil(L2_ROTATE_BYTES / (wbytes + math.prod(a_shape) * 2))))
-        ws = [torch.randn(w_shape, device=DEV, dtype=torch.bfloat16) for _ in range(rot)]
-        xs = [torch.randn(a_shape, device=DEV, dtype=torch.bfloat16) for _ in range(rot)]
-        us = time_graph([lambda x=x, w=w, eq=eq: torch.einsum(eq, x, w) for x, w in zip(xs, ws, strict=True)])
-        nbytes = wbytes + math.prod(a_shape) * 2 + b * h * w_shape[2] * 2
-        flops = 2 * b * h * w_shape[1] * w_shape[2]
-        out.append(
-            {
-                "kernel": f"bmm_{name}",
-                "B": b,
-                "einsum": eq,
-                "us": us,
-                "GBps": nbytes / us / 1e3,
-                "fraction_copy": nbytes / us / 1e3 / ceil["copy_GBps"],
-                "TFLOPs": flops / us / 1e6,
-            }
-        )
-        log(f"  bmm {name} B={b}: {us:.1f} us")
-    return out
 
 
 # ---- fused MoE --------------------------------------------------------------------------------
@@ -411,7 +379,7 @@ def table(res: dict) -> str:
             f"{'moe':<10}{shape:<34}{r['best']['us']:>9.1f}{r['default']['us']:>9.1f}{value:>22}"
             f"{r['fraction']:>7.2f}{tgt:>9}{r['baseline_fused_moe_ref_us']:>10.0f}{r['best']['rel_err']:>9.1e}"
         )
-    for r in res["bmm"]:
+    for r in res.get("bmm", []):  # results recorded before bench_head_bmm.py took these matmuls over
         shape = f"B={r['B']} {r['einsum']}"
         value = f"{r['GBps']:.0f} GB/s {r['TFLOPs']:.0f} TF"
         lines.append(
@@ -438,9 +406,9 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "benchmarks/results")
     ap.add_argument("--out", default=os.path.join(out_dir, "gemm_moe_h200.json"))
     ap.add_argument("--quick", action="store_true", help="two configurations per shape")
-    ap.add_argument("--only", default="", help="comma list of gemm,moe,bmm,routing (default all)")
+    ap.add_argument("--only", default="", help="comma list of gemm,moe,routing (default all)")
     args = ap.parse_args()
-    only = set(args.only.split(",")) if args.only else {"gemm", "moe", "bmm", "routing"}
+    only = set(args.only.split(",")) if args.only else {"gemm", "moe", "routing"}
     res = run(args.quick, only)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -449,8 +417,8 @@ def main() -> None:
 
 
 def run(quick: bool = False, only: set[str] | None = None) -> dict:
-    """Ceilings, then the GEMM, MoE, bmm and routing cases; the result dict written as JSON."""
-    only = only or {"gemm", "moe", "bmm", "routing"}
+    """Ceilings, then the GEMM, MoE and routing cases; the result dict written as JSON."""
+    only = only or {"gemm", "moe", "routing"}
     t0 = time.time()
     torch.manual_seed(0)
     res = {
@@ -463,7 +431,7 @@ def run(quick: bool = False, only: set[str] | None = None) -> dict:
     }
     res["ceilings"] = ceilings()
     log(f"ceilings {res['ceilings']}")
-    res["gemm"], res["moe"], res["bmm"], res["routing"] = [], [], [], []
+    res["gemm"], res["moe"], res["routing"] = [], [], []
     if "gemm" in only:
         for m in (1, 16, 4096):
             for n, k in GEMM_NK:
@@ -473,9 +441,6 @@ def run(quick: bool = False, only: set[str] | None = None) -> dict:
         for case in MOE_CASES:
             res["moe"].append(bench_moe(case, res["ceilings"], quick))
             torch.cuda.empty_cache()
-    if "bmm" in only:
-        for b in (1, 64, 4096):
-            res["bmm"] += bench_bmm(b, res["ceilings"])
     if "routing" in only:
         res["routing"] = bench_routing()
     res["wall_s"] = time.time() - t0
