@@ -45,7 +45,7 @@ def timed_generate(engine: Engine, batch: int, steps: int) -> float:
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     sync(engine.device.type)
     start = time.perf_counter()
-    engine.generate_batch(ids, params)
+    engine.generate(ids, params)
     sync(engine.device.type)
     return time.perf_counter() - start
 

@@ -28,7 +28,7 @@ from mlac.runtime import runner as runner_mod
 from mlac.runtime.dist import LaunchSpec, World, check_devices, plan_world
 from mlac.runtime.engine import Engine
 from mlac.runtime.loader import load_artifact
-from mlac.runtime.runner import DistributedRunner, RankJob, run_rank
+from mlac.runtime.runner import DistributedRunner, RankJob, RuntimeOptions, run_rank
 from mlac.synth import PRESETS, synthesize
 
 PLANS = [(2, 1), (2, 2), (4, 1)]  # (tp, ep)
@@ -298,7 +298,7 @@ def _rank_failing_at_its_second_step(job: RankJob, world: World) -> None:
 def distributed(path: Path, target=None) -> Engine:
     """An engine whose spawned ranks run `target` (default: the real rank)."""
     manifest = Manifest.load(path)
-    job = RankJob(str(path), "cpu", torch.float32, True, dict(CACHE))
+    job = RankJob(str(path), "cpu", torch.float32, True, RuntimeOptions(**CACHE))
     runner = run_rank(job, plan_world(manifest.plan), target)
     return Engine(manifest.model, runner, manifest=manifest)
 

@@ -56,14 +56,15 @@ def test_reserve_grows_a_table_to_cover_tokens():
 def test_cache_sizing_from_blocks_and_budget():
     c = PagedKVCache(CONFIG, num_blocks=5, block_size=4, dtype=torch.float32)
     assert len(c.layers) == CONFIG.num_hidden_layers
-    assert c.layers[0].shape == (5, 4, CONFIG.kv_lora_rank + CONFIG.qk_rope_head_dim)
+    assert c.layers[0].shape == (6, 4, CONFIG.kv_lora_rank + CONFIG.qk_rope_head_dim)  # + scratch block
+    assert c.scratch_block == 5 and c.allocator.num_blocks == 5
     assert c.capacity_tokens == 20
     per_block = PagedKVCache.bytes_per_block(CONFIG, 4, torch.bfloat16)
     assert per_block == CONFIG.num_hidden_layers * 4 * CONFIG.kv_latent_dim * 2
     b = PagedKVCache.from_budget(CONFIG, 3 * per_block + per_block // 2, block_size=4)
-    assert b.num_blocks == 3 and b.layers[0].dtype == torch.bfloat16
+    assert b.num_blocks == 2 and b.layers[0].dtype == torch.bfloat16  # 3 blocks, one the scratch block
     with pytest.raises(MlacError, match="holds no block"):
-        PagedKVCache.from_budget(CONFIG, per_block - 1, block_size=4)
+        PagedKVCache.from_budget(CONFIG, 2 * per_block - 1, block_size=4)
 
 
 def test_write_then_read_slots():

@@ -76,8 +76,8 @@ def test_batched_decode_equals_each_alone(preset):
     _, engine = pair(preset)
     prompts = [prompt(n, seed=10 + n) for n in (5, 17, 33, 9)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    together = engine.generate_batch(prompts, params)
-    alone = [engine.generate_batch([p], params)[0] for p in prompts]
+    together = engine.generate(prompts, params)
+    alone = [engine.generate(p, params) for p in prompts]
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     assert engine.cache.allocator.num_free == engine.cache.num_blocks  # every block given back
 

@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 
 from mlac.artifact import ParallelPlan
 from mlac.errors import MlacError
-from mlac.runtime.kv_cache import ForwardBatch
+from mlac.runtime.step import Step
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 IDLE_TIMEOUT = timedelta(days=3650)  # followers wait for the next step as long as the server lives
@@ -379,34 +379,30 @@ def open_store(world: World) -> dist.Store:
 # payload int64 [T + 2B + B·W]: token ids, ctx_lens, q_lens, block tables (row-major)
 
 
-def send_step(
-    group: dist.ProcessGroup, token_ids: torch.Tensor, batch: ForwardBatch, every_token: bool
-) -> None:
-    """Rank 0: the inputs of one forward step, to every rank (on CPU)."""
-    tables = batch.block_tables.to("cpu", torch.int64)  # [B, W]
-    header = torch.tensor([STEP, int(every_token), token_ids.numel(), batch.num_seqs, tables.shape[1]])
+def send_step(group: dist.ProcessGroup, step: Step) -> None:
+    """Rank 0: one forward step, to every rank (on CPU): a header, then the Step's integers."""
+    b, width = step.num_seqs, max(len(t) for t in step.block_tables)
+    tables = [list(t) + [0] * (width - len(t)) for t in step.block_tables]  # padded; lens say how far
+    lens = [len(t) for t in step.block_tables]
+    header = torch.tensor([STEP, int(step.every_token), len(step.token_ids), b, width])
     dist.broadcast(header, src=0, group=group)
-    lens = torch.tensor(batch.ctx_lens + batch.q_lens, dtype=torch.int64)
-    dist.broadcast(torch.cat([token_ids.to("cpu", torch.int64), lens, tables.flatten()]), src=0, group=group)
+    flat = [*step.token_ids, *step.ctx_lens, *step.q_lens, *lens, *(x for row in tables for x in row)]
+    dist.broadcast(torch.tensor(flat, dtype=torch.int64), src=0, group=group)
 
 
 def send_stop(group: dist.ProcessGroup) -> None:
     dist.broadcast(torch.tensor([STOP, 0, 0, 0, 0]), src=0, group=group)
 
 
-def recv_step(
-    group: dist.ProcessGroup, block_size: int, device: torch.device
-) -> tuple[torch.Tensor, ForwardBatch, bool] | None:
-    """Other ranks: the next step as rank 0 sent it (its ForwardBatch rebuilt here), None on stop."""
+def recv_step(group: dist.ProcessGroup) -> Step | None:
+    """Other ranks: the next Step as rank 0 sent it, None on stop."""
     header = torch.empty(5, dtype=torch.int64)
     dist.broadcast(header, src=0, group=group)
     op, every_token, t, b, w = header.tolist()
     if op == STOP:
         return None
-    payload = torch.empty(t + 2 * b + b * w, dtype=torch.int64)
+    payload = torch.empty(t + 3 * b + b * w, dtype=torch.int64)
     dist.broadcast(payload, src=0, group=group)
-    ids, ctx_lens, q_lens, tables = payload.split([t, b, b, b * w])
-    batch = ForwardBatch.build(
-        ctx_lens.tolist(), q_lens.tolist(), tables.view(b, w).tolist(), block_size, device
-    )
-    return ids.to(device), batch, bool(every_token)
+    ids, ctx_lens, q_lens, lens, tables = (p.tolist() for p in payload.split([t, b, b, b, b * w]))
+    rows = [tables[i * w : i * w + n] for i, n in enumerate(lens)]
+    return Step(tuple(ids), tuple(ctx_lens), tuple(q_lens), tuple(map(tuple, rows)), bool(every_token))

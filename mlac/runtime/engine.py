@@ -7,9 +7,8 @@
         print(delta.text, end="")
 
 `generate` and `stream` run through the continuous-batching Scheduler (scheduler.py) in the
-caller's thread; server.EngineLoop runs one long-lived scheduler in a background thread for the
-HTTP server. `generate_batch` is the lockstep reference: every request's blocks reserved up front,
-one prefill over all, then decode steps together.
+caller's thread; the HTTP server runs one long-lived scheduler in a background thread. Every step
+is a `Step` (step.py) run by the runner: decode steps through CUDA graphs on a GPU.
 """
 
 from __future__ import annotations
@@ -25,11 +24,10 @@ import torch
 from mlac.artifact import TOKENIZER_DIR, Manifest
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
-from mlac.runtime.kv_cache import ForwardBatch
 from mlac.runtime.layers import Weights
 from mlac.runtime.loader import to_compute_dtype
 from mlac.runtime.model import DeepseekModel
-from mlac.runtime.runner import LaunchSpec, ModelRunner, make_cache, make_runner
+from mlac.runtime.runner import LaunchSpec, ModelRunner, RuntimeOptions, make_cache, make_runner
 from mlac.runtime.sampling import SamplingParams, TokenLogprob, make_generator
 from mlac.runtime.scheduler import (  # noqa: F401  (find_stop: re-exported)
     Delta,
@@ -37,11 +35,11 @@ from mlac.runtime.scheduler import (  # noqa: F401  (find_stop: re-exported)
     Scheduler,
     SchedulerConfig,
     find_stop,
-    sample_next,
 )
 from mlac.runtime.scheduler import (
     Sequence as Seq,
 )
+from mlac.runtime.step import Step
 from mlac.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -100,15 +98,18 @@ class Engine:
         block_size: int = 16,
         launch: LaunchSpec | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        cuda_graph: bool = True,
+        cuda_graph_max_bs: int = 256,
     ) -> Engine:
         """Verify (sizes, and sha256 unless verify=False) and load an artifact; size the KV cache
         from `num_blocks`, else from `kv_cache_bytes` (default 1 GiB, capped at what four
         sequences of max_position_embeddings tokens need), in the artifact's kv_cache_dtype.
-        `launch` says how the ranks of a multi-rank artifact find each other (see
-        runner.make_runner)."""
+        On CUDA, decode steps of up to `cuda_graph_max_bs` sequences run as CUDA graphs
+        (captured here) unless `cuda_graph` is False. `launch` says how the ranks of a
+        multi-rank artifact find each other (see runner.make_runner)."""
         manifest = Manifest.load(path)
-        runner = make_runner(path, manifest, device, dtype, verify, launch=launch, num_blocks=num_blocks,
-                             kv_cache_bytes=kv_cache_bytes, block_size=block_size)  # fmt: skip
+        options = RuntimeOptions(num_blocks, kv_cache_bytes, block_size, cuda_graph, cuda_graph_max_bs)
+        runner = make_runner(path, manifest, device, dtype, verify, launch=launch, options=options)
         tok_dir = Path(path) / TOKENIZER_DIR
         tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
         return cls(manifest.model, runner, tokenizer, manifest, scheduler_config)
@@ -168,18 +169,6 @@ class Engine:
 
     # ---- model steps -------------------------------------------------------------------------
 
-    def _forward(
-        self, tables: list[list[int]], ctx_lens: list[int], chunks: list[list[int]], every_token: bool = False
-    ) -> torch.Tensor:
-        """Run new tokens `chunks[i]` of each sequence after its ctx_lens[i] cached tokens.
-
-        Returns float32 logits [sum(len), V] if every_token, else of each sequence's last token [B, V]."""
-        batch = ForwardBatch.build(
-            ctx_lens, [len(c) for c in chunks], tables, self.cache.block_size, self.device
-        )
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
-        return self.runner.forward(ids, batch, every_token)
-
     def score(self, token_ids: Sequence[int] | torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
         """Teacher-forced logits [T, V] float32 of every position (prefill, in chunks if asked)."""
         ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
@@ -189,7 +178,7 @@ class Engine:
         try:
             self.cache.allocator.reserve(table, len(ids))
             out = [
-                self._forward([table], [s], [ids[s : s + step]], every_token=True)
+                self.runner.run(Step.of([ids[s : s + step]], [s], [table], every_token=True))
                 for s in range(0, len(ids), step)
             ]
         finally:
@@ -221,7 +210,7 @@ class Engine:
             if length < 1 or n_seq * alloc.blocks_for(length + 2) > alloc.num_free:
                 continue
             prompts = [[3 + (i * 31 + j * 7) % (vocab - 3) for j in range(length)] for i in range(n_seq)]
-            self.generate_batch(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+            self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
             ran.append((n_seq, length))
         return ran
 
@@ -316,42 +305,6 @@ class Engine:
                     yield delta
         finally:
             sched.abort_all()
-
-    def generate_batch(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[Completion]:
-        """Lockstep reference: every request's blocks for its whole run reserved up front (an
-        error if they do not fit), one prefill over all prompts, then batched decode steps."""
-        seqs = [self.new_sequence(p, sp) for p, sp in zip(prompts, self._params(len(prompts), params, {}),
-                                                           strict=True)]  # fmt: skip
-        eos, ctx = self.config.eos_token_ids, self.max_context
-        try:
-            self._reserve(seqs)
-            logits = self._forward(
-                [s.block_table for s in seqs], [0] * len(seqs), [s.prompt_ids for s in seqs]
-            )
-            sample_next(seqs, logits, eos, ctx)
-            while active := [s for s in seqs if not s.finished]:
-                tables = [s.block_table for s in active]
-                logits = self._forward(
-                    tables, [s.num_tokens - 1 for s in active], [s.output_ids[-1:] for s in active]
-                )
-                sample_next(active, logits, eos, ctx)
-        finally:
-            for s in seqs:
-                self.cache.allocator.free(s.block_table)
-                s.block_table = []
-        return [self._completion(s) for s in seqs]
-
-    def _reserve(self, seqs: list[Seq]) -> None:
-        """Blocks for each request's whole run up front (admission; no failure mid-generation)."""
-        alloc = self.cache.allocator
-        need = [min(s.num_tokens + s.params.max_tokens, self.max_context) for s in seqs]
-        blocks = sum(alloc.blocks_for(n) for n in need)
-        if blocks > alloc.num_free:
-            raise MlacError(f"KV cache too small: {blocks} blocks needed, {alloc.num_free} free")
-        for s, n in zip(seqs, need, strict=True):
-            alloc.reserve(s.block_table, n)
 
     @staticmethod
     def _completion(s: Seq) -> Completion:

@@ -92,6 +92,10 @@ class PagedKVCache:
     the format's finite range, round); reads dequantize to the compute dtype. The scale defaults
     to 1.0: kv_norm'ed latents and roped keys sit well inside e4m3's range (|x| <= 448), and a
     static scale keeps a token's stored bytes independent of what else is in the cache.
+
+    Each pool holds one block more than the allocator hands out: `scratch_block`, where the padding
+    rows of a CUDA-graph decode batch write and read (graphs.py), so that padding never touches a
+    sequence's latents.
     """
 
     def __init__(
@@ -112,8 +116,9 @@ class PagedKVCache:
         self.storage_dtype = kv_storage_dtype(kv_dtype, dtype)
         self.quantized = KV_DTYPES[kv_dtype] is not None
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.scratch_block = num_blocks  # not in the allocator: CUDA-graph padding rows only
         self.layers = [
-            torch.zeros(num_blocks, block_size, self.dim, dtype=self.storage_dtype, device=device)
+            torch.zeros(num_blocks + 1, block_size, self.dim, dtype=self.storage_dtype, device=device)
             for _ in range(config.num_hidden_layers)
         ]
         n = config.num_hidden_layers
@@ -127,6 +132,11 @@ class PagedKVCache:
         itemsize = torch.empty((), dtype=kv_storage_dtype(kv_dtype, dtype)).element_size()
         return config.num_hidden_layers * block_size * config.kv_latent_dim * itemsize
 
+    @property
+    def scratch_slot(self) -> int:
+        """The first token slot of the scratch block."""
+        return self.scratch_block * self.block_size
+
     @classmethod
     def from_budget(
         cls,
@@ -137,8 +147,8 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         kv_dtype: str = "bf16",
     ) -> PagedKVCache:
-        """As many blocks as fit in `num_bytes` (at least one)."""
-        num_blocks = num_bytes // cls.bytes_per_block(config, block_size, dtype, kv_dtype)
+        """As many blocks as fit in `num_bytes` (at least one), the scratch block included."""
+        num_blocks = num_bytes // cls.bytes_per_block(config, block_size, dtype, kv_dtype) - 1
         if num_blocks < 1:
             raise MlacError(f"KV cache budget of {num_bytes} bytes holds no block of {block_size} tokens")
         return cls(config, int(num_blocks), block_size, dtype, device, kv_dtype)

@@ -12,7 +12,7 @@ import atexit
 import hashlib
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from mlac.artifact import MANIFEST, Manifest
 from mlac.config import ModelConfig
+from mlac.errors import MlacError
 from mlac.runtime.dist import (
     LaunchSpec,
     RankGroup,
@@ -32,27 +33,40 @@ from mlac.runtime.dist import (
     recv_step,
     send_step,
 )
+from mlac.runtime.graphs import DecodeGraphs
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Weights
 from mlac.runtime.loader import load_artifact
 from mlac.runtime.model import DeepseekModel
 from mlac.runtime.parallel import SINGLE, ParallelContext
+from mlac.runtime.step import Step
 
-__all__ = ["DistributedRunner", "LaunchSpec", "ModelRunner", "make_cache", "make_runner"]
+__all__ = ["DistributedRunner", "LaunchSpec", "ModelRunner", "RuntimeOptions", "make_cache", "make_runner"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+MAX_GRAPH_BS = 4096
 
 
 class ModelRunner:
-    """Runs forward steps of one rank's model over its paged KV cache."""
+    """Runs forward steps of one rank's model over its paged KV cache: decode steps through the
+    CUDA graphs when it has them and the batch fits a bucket, every other step eagerly."""
 
-    def __init__(self, model: DeepseekModel, cache: PagedKVCache):
+    def __init__(self, model: DeepseekModel, cache: PagedKVCache, graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
+        self.graphs = graphs
 
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def run(self, step: Step) -> torch.Tensor:
+        """Float32 logits of `step`: [T, V] if step.every_token, else [B, V] (each sequence's last
+        new token; with CUDA graphs a view that the next step overwrites)."""
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.run(step)
+        token_ids, batch = step.to_device(self.cache.block_size, self.device)
+        return self.forward(token_ids, batch, step.every_token)
 
     def forward(
         self, token_ids: torch.Tensor, batch: ForwardBatch, every_token: bool = False
@@ -85,6 +99,27 @@ def make_cache(
     return PagedKVCache(config, num_blocks, block_size, dtype, device, kv_dtype)
 
 
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How a rank runs an artifact: the KV cache's size (`num_blocks`, else `kv_cache_bytes`, as
+    `make_cache`) and the CUDA graphs of decode steps (on CUDA devices only)."""
+
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    block_size: int = 16
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.cuda_graph_max_bs <= MAX_GRAPH_BS:
+            raise MlacError(f"cuda_graph_max_bs={self.cuda_graph_max_bs}: must be in [1, {MAX_GRAPH_BS}]")
+
+    def graph_buckets(self, manifest: Manifest) -> list[int]:
+        """The artifact's decode buckets up to cuda_graph_max_bs (and that size itself)."""
+        ladder = [1, 2, 4, 8, *range(16, MAX_GRAPH_BS + 1, 16)]
+        return sorted({b for b in ladder if b < self.cuda_graph_max_bs} | {self.cuda_graph_max_bs})
+
+
 def make_runner(
     path: str | Path,
     manifest: Manifest,
@@ -92,10 +127,10 @@ def make_runner(
     dtype: torch.dtype,
     verify: bool = True,
     launch: LaunchSpec | None = None,
-    **cache_args,
+    options: RuntimeOptions | None = None,
 ) -> ModelRunner | DistributedRunner:
-    """The runner for an artifact: its model loaded strictly, with a fresh KV cache
-    (`cache_args`: num_blocks, kv_cache_bytes, block_size, as `make_cache`).
+    """The runner for an artifact: its model loaded strictly, with a fresh KV cache and, on CUDA,
+    its decode steps captured as CUDA graphs (`options`).
 
     A 1-rank artifact runs in this process. A tp-N artifact runs one process per rank, each
     loading only its own files (dist.py): on one machine this process becomes rank 0 and spawns
@@ -106,9 +141,10 @@ def make_runner(
     Refuses (MlacError) a launch that does not fit the artifact's plan.
     """
     world = plan_world(manifest.plan, launch)
+    options = options or RuntimeOptions()
     if world.size == 1:
-        return build_runner(RankJob(str(path), str(device), dtype, verify, cache_args), rank=0)
-    return run_rank(RankJob(str(path), torch.device(device).type, dtype, verify, cache_args), world)
+        return build_runner(RankJob(str(path), str(device), dtype, verify, options), rank=0)
+    return run_rank(RankJob(str(path), torch.device(device).type, dtype, verify, options), world)
 
 
 @dataclass(frozen=True)
@@ -119,13 +155,14 @@ class RankJob:
     device: str  # "cpu", "cuda" (each rank on cuda:<local rank>), or a device of a 1-rank artifact
     dtype: torch.dtype
     verify: bool
-    cache_args: dict[str, Any] = field(default_factory=dict)
+    options: RuntimeOptions = RuntimeOptions()
 
     def fingerprint(self, runner: ModelRunner) -> str:
         """What every rank must agree on: the artifact, the compute dtype, the KV cache geometry."""
         digest = hashlib.sha256((Path(self.path) / MANIFEST).read_bytes()).hexdigest()[:16]
-        c = runner.cache
-        return f"manifest {digest}, {self.dtype}, {c.kv_dtype} KV cache of {c.num_blocks}x{c.block_size}"
+        c, g = runner.cache, runner.graphs
+        graphs = f"CUDA graphs {g.buckets}" if g is not None else "no CUDA graphs"
+        return f"manifest {digest}, {self.dtype}, {c.kv_dtype} KV cache of {c.num_blocks}x{c.block_size}, {graphs}"
 
 
 def build_runner(
@@ -139,8 +176,15 @@ def build_runner(
     ctx = SINGLE if group is None else ParallelContext(rank, plan.tp, plan.ep, group)
     source = job.path if plan.world_size == 1 else f"{job.path} (rank {rank})"
     model = DeepseekModel(cfg, Weights(loaded.tensors, source=source), ctx)
+    o = job.options
     kv_dtype = loaded.manifest.options.kv_cache_dtype
-    return ModelRunner(model, make_cache(cfg, device, job.dtype, **job.cache_args, kv_dtype=kv_dtype))
+    cache = make_cache(cfg, device, job.dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype)
+    graphs = None
+    if o.cuda_graph and torch.device(device).type == "cuda":
+        max_context = min(cfg.max_position_embeddings, cache.capacity_tokens)
+        graphs = DecodeGraphs(model, cache, o.graph_buckets(loaded.manifest), max_context)
+        graphs.capture()  # every rank at once: the collectives inside the graphs line up
+    return ModelRunner(model, cache, graphs)
 
 
 def run_rank(
@@ -174,16 +218,15 @@ def run_rank(
 
 def serve_steps(runner: ModelRunner, group: RankGroup) -> None:
     """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts stop."""
-    while (step := recv_step(group.control, runner.cache.block_size, runner.device)) is not None:
-        token_ids, batch, every_token = step
-        runner.forward(token_ids, batch, every_token)  # the logits are rank 0's
+    while (step := recv_step(group.control)) is not None:
+        runner.run(step)  # the logits are rank 0's
 
 
 class DistributedRunner:
     """Rank 0 of a multi-rank artifact, with ModelRunner's interface.
 
-    `forward` broadcasts the step (token ids, the batch's ctx_lens, q_lens and block tables, and
-    every_token) so that every rank runs the same forward, runs rank 0's part, and returns the
+    `run` broadcasts the Step (token ids, ctx_lens, q_lens, block tables, every_token) so that
+    every rank runs the same forward (the same CUDA graph), runs rank 0's part, and returns the
     whole logits [*, V]. A failure of any rank raises MlacError naming it, and stops every rank.
     `close` (also run at interpreter exit) stops the other ranks and waits for them to exit.
     """
@@ -203,14 +246,16 @@ class DistributedRunner:
     def world_size(self) -> int:
         return self.group.world.size
 
-    def forward(
-        self, token_ids: torch.Tensor, batch: ForwardBatch, every_token: bool = False
-    ) -> torch.Tensor:
-        """As ModelRunner.forward, on every rank."""
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.local.graphs
+
+    def run(self, step: Step) -> torch.Tensor:
+        """As ModelRunner.run, on every rank."""
         self.group.check_usable()
         try:
-            send_step(self.group.control, token_ids, batch, every_token)
-            return self.local.forward(token_ids, batch, every_token)
+            send_step(self.group.control, step)
+            return self.local.run(step)
         except BaseException as e:
             error = self.group.fail(e)  # names the failed rank and stops the group
             if isinstance(e, Exception):

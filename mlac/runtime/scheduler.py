@@ -32,8 +32,8 @@ from typing import Literal
 import torch
 
 from mlac.errors import MlacError
-from mlac.runtime.kv_cache import ForwardBatch
 from mlac.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
+from mlac.runtime.step import Step
 from mlac.runtime.tokenizer import IncrementalDetokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -302,12 +302,8 @@ class Scheduler:
     def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
         seqs = [s for s, _ in plan]
         chunks = [s.tokens(s.num_computed, s.num_computed + n) for s, n in plan]
-        batch = ForwardBatch.build(
-            [s.num_computed for s in seqs], [n for _, n in plan], [s.block_table for s in seqs],
-            self.cache.block_size, self.runner.device,
-        )  # fmt: skip
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.runner.device)
-        logits = self.runner.forward(ids, batch, False)  # [B, V]: each sequence's last new token
+        step = Step.of(chunks, [s.num_computed for s in seqs], [s.block_table for s in seqs])
+        logits = self.runner.run(step)  # [B, V]: each sequence's last new token
         for s, n in plan:
             s.num_computed += n
         rows = [j for j, s in enumerate(seqs) if s.num_computed == s.num_tokens]  # all cached: sample

@@ -1,0 +1,138 @@
+"""CUDA graphs of the decode step, one per batch-size bucket.
+
+A decode step launches hundreds of small kernels; launched one by one from Python they cost far
+more than the GPU work itself. `DecodeGraphs` captures the whole step (model forward and LM head)
+once per bucket of the ladder (passes/buckets.py), largest first, all in one memory pool, over
+static input buffers. A decode batch of B sequences runs the graph of the smallest bucket >= B:
+its inputs are copied into the buffers (two host-to-device copies), the graph is replayed, and
+the first B rows of the static logits are the result.
+
+Padding rows (B..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
+the cache's scratch block (kv_cache.py): they read and write nothing a real sequence owns.
+
+Every rank of a multi-rank artifact captures the same buckets in the same order, so the
+collectives inside the graphs line up; every rank then replays the same bucket for each step.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from mlac.errors import MlacError
+from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
+from mlac.runtime.model import DeepseekModel
+from mlac.runtime.step import Step
+
+
+def pick_bucket(buckets: list[int], batch: int) -> int | None:
+    """The smallest bucket >= batch (buckets ascending), None when the batch is above them all."""
+    i = bisect.bisect_left(buckets, batch)
+    return buckets[i] if i < len(buckets) else None
+
+
+class DecodeInputs:
+    """The static inputs of the captured decode step for up to `max_bs` sequences of up to
+    `max_blocks` blocks, and their pinned host mirrors (filled per step, copied in one go each)."""
+
+    def __init__(self, max_bs: int, max_blocks: int, cache: PagedKVCache, device: torch.device):
+        self.max_bs, self.max_blocks = max_bs, max_blocks
+        self.block_size, self.scratch = cache.block_size, cache.scratch_block
+        pin = device.type == "cuda"
+        # int64 rows: token ids, positions, slots; int32: seq_len ‖ block table, one row per sequence
+        self.host64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(max_bs, 1 + max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.dev64 = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(max_bs, 1 + max_blocks, dtype=torch.int32, device=device)
+        self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.copied = torch.cuda.Event() if pin else None  # the last host-to-device copy
+        self.fill(Step.of([[0]], [0], [[self.scratch]]), max_bs)  # every row a padding row
+
+    def batch(self, bs: int) -> tuple[torch.Tensor, ForwardBatch]:
+        """(token ids [bs], ForwardBatch) over the first `bs` rows of the static buffers."""
+        ids, positions, slots = self.dev64[:, :bs]
+        none = torch.zeros(0, dtype=torch.int64, device=ids.device)
+        return ids, ForwardBatch(
+            is_decode=True, q_lens=(1,) * bs, ctx_lens=(0,) * bs, positions=positions, slots=slots,
+            block_tables=self.dev32[:bs, 1:], seq_lens=self.dev32[:bs, 0],
+            cu_seqlens_q=self.cu_seqlens[: bs + 1], cu_seqlens_kv=self.cu_seqlens[: bs + 1], kv_slots=none,
+        )  # fmt: skip
+
+    def fill(self, step: Step, bs: int) -> None:
+        """Write `step` (B <= bs decode sequences) into rows [0, bs); rows B..bs become padding."""
+        b, size = step.num_seqs, self.block_size
+        width = max(len(t) for t in step.block_tables)
+        if width > self.max_blocks:
+            raise MlacError(f"a sequence of {width} blocks is longer than the graphs' {self.max_blocks}")
+        pad = bs - b
+        if self.copied is not None:
+            self.copied.synchronize()  # the host mirrors are free again once their last copy is done
+        ctx = list(step.ctx_lens)
+        slots = [t[c // size] * size + c % size for t, c in zip(step.block_tables, ctx, strict=True)]
+        self.host64[:, :bs] = torch.tensor(
+            [list(step.token_ids) + [0] * pad, ctx + [0] * pad, slots + [self.scratch * size] * pad]
+        )
+        rows = [[c + 1, *t] + [0] * (width - len(t)) for c, t in zip(ctx, step.block_tables, strict=True)]
+        rows += [[1, self.scratch] + [0] * (width - 1)] * pad
+        self.host32[:bs, : 1 + width] = torch.tensor(rows, dtype=torch.int32)
+        # Columns past `width` keep stale block ids: the kernels read only the blocks of seq_len.
+        self.dev64[:, :bs].copy_(self.host64[:, :bs], non_blocking=True)
+        self.dev32[:bs, : 1 + width].copy_(self.host32[:bs, : 1 + width], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+class DecodeGraphs:
+    """One captured decode step per bucket; `run(step)` replays the right one."""
+
+    def __init__(self, model: DeepseekModel, cache: PagedKVCache, buckets: list[int], max_context: int):
+        if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
+            raise MlacError(f"CUDA-graph buckets must be ascending positive sizes, got {buckets}")
+        self.model, self.cache, self.buckets = model, cache, list(buckets)
+        device = model.device
+        max_blocks = -(-max_context // cache.block_size)
+        self.inputs = DecodeInputs(buckets[-1], max_blocks, cache, device)
+        self.logits = torch.empty(buckets[-1], model.config.vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    @property
+    def max_bs(self) -> int:
+        return self.buckets[-1]
+
+    def _step(self, bs: int) -> None:
+        ids, batch = self.inputs.batch(bs)
+        hidden = self.model(ids, batch, self.cache)
+        self.logits[:bs].copy_(self.model.logits(hidden))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one pool. Each bucket runs once eagerly first,
+        so that every kernel is compiled and every lazily made buffer exists before capture."""
+        for bs in reversed(self.buckets):
+            self._step(bs)  # warm-up (on padding rows only)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._step(bs)
+            self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, step: Step) -> bool:
+        return step.is_decode and step.num_seqs <= self.max_bs
+
+    @torch.inference_mode()
+    def run(self, step: Step) -> torch.Tensor:
+        """Logits [B, V] float32 of a decode step of B <= max_bs sequences (a view of the static
+        output: valid until the next replay). A bucket that was not captured (on CPU, where nothing
+        is) runs the same padded step eagerly: the tests check the padding that way."""
+        bs = pick_bucket(self.buckets, step.num_seqs)
+        self.inputs.fill(step, bs)
+        graph = self.graphs.get(bs)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._step(bs)
+        return self.logits[: step.num_seqs]
