@@ -1,8 +1,9 @@
 """RMSNorm (optionally fused with the residual add and with per-token FP8 quantization) and
 rotate-half rotary embedding.
 
-RMSNorm computes in float32: y = x * rsqrt(mean(x^2) + eps) * weight, one rounding to the output
-dtype at the end. With a residual, x + residual is rounded to the residual's dtype first (what an
+RMSNorm computes in float32: y = round(x * rsqrt(mean(x^2) + eps)) * weight, rounded to the output
+dtype before and after the weight, as transformers' DeepSeek RMSNorm does (the quantizing variant
+rounds once, to e4m3). With a residual, x + residual is rounded to the residual's dtype first (what an
 unfused `residual = x + residual` in that dtype stores), returned as the new residual, and that
 rounded value is normalized. `rms_norm_quant` quantizes the float32 y per token per 128 channels
 to e4m3 exactly like `fp8_gemm.quantize_act_ref`.
@@ -20,6 +21,7 @@ from mlac.kernels._triton import tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import BLOCK as QUANT_GROUP
 from mlac.kernels.fp8_gemm import FP8, FP8_MAX, quantize_act_ref
+from mlac.kernels.fp8_quant import cast_out
 
 # --------------------------------------------------------------------------------------------
 # References
@@ -42,9 +44,11 @@ def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D], weight [D] -> y [..., D] in x's dtype; with residual, (y, new_residual)."""
+    """x [..., D], weight [D] -> y [..., D] in x's dtype; with residual, (y, new_residual).
+    Rounded as transformers' DeepSeek RMSNorm: normalize in float32, cast, times the weight."""
     xf, new_residual = _add_residual_ref(x, residual)
-    y = _rms_norm_f32(xf, weight, eps).to(x.dtype)
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = weight.to(x.dtype) * normed
     return y if residual is None else (y, new_residual)
 
 
@@ -95,8 +99,8 @@ if triton is not None:
             xv = summed.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xv * xv, 0) / D + eps)
         w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
-        out = xv * rstd * w  # [BLOCK_D] float32, 0 past D
         if QUANT:
+            out = xv * rstd * w  # [BLOCK_D] float32, 0 past D
             groups = tl.reshape(out, [BLOCK_D // GROUP, GROUP])
             amax = tl.maximum(tl.max(tl.abs(groups), 1), 1e-12)  # [BLOCK_D // GROUP]
             scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))  # as torch divides
@@ -105,8 +109,9 @@ if triton is not None:
             tl.store(y_fp8 + row * stride_q + offs, q, mask=mask)
             offs_g = tl.arange(0, BLOCK_D // GROUP)
             tl.store(y_scale + row * stride_qs + offs_g, scale, mask=offs_g * GROUP < D)
-        else:
-            tl.store(y + row * stride_y + offs, out.to(y.dtype.element_ty), mask=mask)
+        else:  # as transformers: the normalized x rounded to y's dtype, then times the weight
+            normed = cast_out(xv * rstd, y.dtype.element_ty).to(tl.float32)
+            tl.store(y + row * stride_y + offs, cast_out(normed * w, y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_kernel(

@@ -15,6 +15,7 @@ from torch import nn
 from mlac.config import ModelConfig, yarn_mscale
 from mlac.errors import MlacError
 from mlac.kernels.fp8_gemm import FP8, fp8_linear
+from mlac.kernels.norm_rope import rms_norm
 
 
 class Weights:
@@ -72,17 +73,20 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) computed in float32, cast back, then times the weight (as transformers does)."""
+    """x / rms(x) times the weight, computed in float32 (kernels/norm_rope.py: one launch on CUDA).
+
+    With `residual`, the pre-norm residual stream is fused in: returns (norm(x + residual),
+    x + residual), the sum rounded to the residual's dtype, as an unfused add would store it."""
 
     def __init__(self, weights: Weights, name: str, eps: float):
         super().__init__()
         self.register_buffer("weight", weights.take(name), persistent=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 # ---- rope --------------------------------------------------------------------------------------

@@ -194,13 +194,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
         cache: PagedKVCache,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, batch, cache)
-        return x + self.ffn(self.ffn_norm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP/MoE output, the residual stream before it): each
+        residual add is fused into the norm that follows it (None: x is the embedding)."""
+        if residual is None:
+            h, residual = self.attn_norm(x), x
+        else:
+            h, residual = self.attn_norm(x, residual)
+        h = self.attn(h, cos, sin, batch, cache)
+        h, residual = self.ffn_norm(h, residual)
+        return self.ffn(h), residual
 
 
 class DeepseekModel(nn.Module):
@@ -233,10 +241,10 @@ class DeepseekModel(nn.Module):
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """token_ids [T] (packed as `batch` says) -> final-normed hidden states [T, D]."""
         cos, sin = self.rope.cos_sin(batch.positions)  # [T, R] float32
-        x = self.embed(token_ids)  # vocab-parallel: all-reduced over the ranks
+        x, residual = self.embed(token_ids), None  # vocab-parallel: all-reduced over the ranks
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, batch, cache)
+        return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
