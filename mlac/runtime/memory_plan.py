@@ -122,9 +122,10 @@ def _fixed(plan: BucketPlan, rank: int, cuda_graphs: bool) -> dict[str, int]:
 def _no_fit(fixed: dict[str, int], budget: int, per_block: int, rank: int, util: float) -> str:
     parts = " + ".join(f"{name} {_gib(n)}" for name, n in fixed.items())
     return (
-        f"rank {rank}: {parts} + one KV block {_gib(per_block)} do not fit in {_gib(budget)} "
-        f"(--gpu-memory-utilization {util:g}); raise --gpu-memory-utilization, use more GPUs (compile with "
-        f"a larger --tp) or --fp8, or lower --cuda-graph-max-bs / run with --no-cuda-graph"
+        f"rank {rank}: {parts} = {_gib(sum(fixed.values()))} leave no room for one KV block "
+        f"({per_block / (1 << 20):.1f} MiB) in a budget of {_gib(budget)} (--gpu-memory-utilization {util:g}); "
+        f"raise --gpu-memory-utilization, use more GPUs (compile with a larger --tp) or --fp8, or lower "
+        f"--cuda-graph-max-bs / run with --no-cuda-graph"
     )
 
 
