@@ -25,7 +25,8 @@ def _buckets(b: BucketPlan | None) -> list[str]:
     return [
         f"buckets       {len(sizes)} decode batch sizes: {shown} (--cuda-graph-max-bs {b.cuda_graph_max_bs})",
         f"memory plan   weights per rank: {', '.join(_gib(w) for w in b.weight_bytes)}",
-        f"memory plan   KV cache {b.kv_bytes_per_token:,} bytes/token per rank; CUDA-graph pool {_gib(b.graph_pool_bytes)}",
+        f"memory plan   KV cache {b.kv_bytes_per_token:,} bytes/token per rank; "
+        f"CUDA-graph pool {_gib(b.graph_pool_bytes)}",
         f"memory plan   decode activations {peaks}; prefill of {b.prefill_tokens} tokens "
         f"{_gib(b.prefill_activation_bytes)} (estimates, x{b.safety_factor:g} safety factor)",
     ]  # fmt: skip

@@ -105,7 +105,8 @@ def _check(
         raise MlacError(f"rank {rank}: the artifact's memory plan has {len(plan.weight_bytes)} rank(s)")
     if max_model_len is not None and not 1 <= max_model_len <= max_pos:
         raise MlacError(
-            f"--max-model-len {max_model_len}: must be in 1..{max_pos:,} (the model's max_position_embeddings)"
+            f"--max-model-len {max_model_len}: must be in 1..{max_pos:,} "
+            "(the model's max_position_embeddings)"
         )
     return max_model_len or max_pos
 
@@ -123,7 +124,8 @@ def _no_fit(fixed: dict[str, int], budget: int, per_block: int, rank: int, util:
     parts = " + ".join(f"{name} {_gib(n)}" for name, n in fixed.items())
     return (
         f"rank {rank}: {parts} = {_gib(sum(fixed.values()))} leave no room for one KV block "
-        f"({per_block / (1 << 20):.1f} MiB) in a budget of {_gib(budget)} (--gpu-memory-utilization {util:g}); "
+        f"({per_block / (1 << 20):.1f} MiB) in a budget of {_gib(budget)} "
+        f"(--gpu-memory-utilization {util:g}); "
         f"raise --gpu-memory-utilization, use more GPUs (compile with a larger --tp) or --fp8, or lower "
         f"--cuda-graph-max-bs / run with --no-cuda-graph"
     )
