@@ -86,8 +86,8 @@ def decode_buckets(max_bs: int) -> list[int]:
 
 
 def params(ctx: PassContext) -> dict:
-    buckets = decode_buckets(ctx.options.cuda_graph_max_bs)
-    return {"cuda_graph_max_bs": ctx.options.cuda_graph_max_bs, "buckets": len(buckets),
+    ladder = decode_buckets(ctx.options.cuda_graph_max_bs)
+    return {"cuda_graph_max_bs": ctx.options.cuda_graph_max_bs, "buckets": len(ladder),
             "safety_factor": SAFETY_FACTOR, "prefill_tokens": PREFILL_TOKENS}  # fmt: skip
 
 
@@ -151,9 +151,9 @@ def _prefill_attention(c: ModelConfig, o: CompileOptions, t: int) -> int:
 
 
 def _ffn(c: ModelConfig, o: CompileOptions, t: int) -> int:
-    kinds = {c.is_moe_layer(i) for i in range(c.num_hidden_layers)}
-    dense = _dense_mlp(t, c.intermediate_size // o.tp) if False in kinds else 0
-    return max(dense, _moe(c, o, t) if True in kinds else 0)
+    moe_layers = [c.is_moe_layer(i) for i in range(c.num_hidden_layers)]
+    dense = _dense_mlp(t, c.intermediate_size // o.tp) if not all(moe_layers) else 0
+    return max(dense, _moe(c, o, t) if any(moe_layers) else 0)
 
 
 def _dense_mlp(t: int, inter_local: int) -> int:
