@@ -43,6 +43,7 @@ class CompileOptions(Frozen):
     ep: int = 1
     kv_cache_dtype: Literal["bf16", "fp8_e4m3", "fp8_e5m2"] = "bf16"
     accuracy_check: bool = True
+    cuda_graph_max_bs: int = 256  # largest CUDA-graph decode bucket (1..4096, checked by the buckets pass)
 
 
 class PassRecord(Frozen):
@@ -81,6 +82,22 @@ class AccuracyReport(Frozen):
     top1_agreement: float | None = None  # fraction of positions with the same argmax
 
 
+class BucketPlan(Frozen):
+    """CUDA-graph decode buckets and the per-rank memory plan, written by the buckets pass
+    (mlac/passes/buckets.py, where every formula is documented) and read by the runtime to size
+    its KV cache (mlac/runtime/memory_plan.py). Byte counts are estimates except `weight_bytes`."""
+
+    decode_batch_sizes: list[int]  # ascending; a decode batch is padded to the next one
+    cuda_graph_max_bs: int
+    weight_bytes: list[int]  # per rank: exact bytes of the rank's tensors as written
+    kv_bytes_per_token: int  # per rank, all layers: num_hidden_layers * (kv_lora + rope) * itemsize
+    activation_bytes: list[int]  # per bucket (aligned with decode_batch_sizes): peak of one decode step
+    graph_pool_bytes: int  # the shared CUDA-graph pool: activation_bytes of the largest bucket
+    prefill_tokens: int  # the chunked-prefill size the next field is planned for
+    prefill_activation_bytes: int  # peak of one prefill step of prefill_tokens tokens
+    safety_factor: float  # applied to every activation estimate
+
+
 class TensorEntry(Frozen):
     file: str  # relative to the artifact root
     dtype: str  # safetensors dtype name: BF16, F32, F8_E4M3, ...
@@ -105,7 +122,7 @@ class Manifest(Frozen):
     plan: ParallelPlan
     quantization: Quantization
     target: str = "portable"
-    buckets: dict[str, Any] | None = None  # CUDA-graph buckets and memory plan (GPU compiles)
+    buckets: BucketPlan | None = None  # CUDA-graph buckets and memory plan (None: compiled before them)
     accuracy: AccuracyReport
     # tensors[rank][name]: every tensor a rank must load, checked strictly at load
     tensors: list[dict[str, TensorEntry]] = Field(min_length=1)

@@ -75,6 +75,13 @@ def main() -> None:
     help="Dtype of the latent KV cache, recorded for the runtime.",
 )
 @click.option(
+    "--cuda-graph-max-bs",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Largest CUDA-graph decode batch size (1..4096); the buckets and memory plan are made for it.",
+)
+@click.option(
     "--skip-accuracy-check",
     is_flag=True,
     help="Do not run the artifact against the source (for models that do not fit).",
@@ -83,7 +90,7 @@ def main() -> None:
     "--force", is_flag=True, help="Replace OUT_DIR if it exists (only once the new artifact is complete)."
 )
 @friendly_errors
-def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check, force):
+def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, skip_accuracy_check, force):
     """Compile the Hugging Face DeepSeek checkpoint MODEL_DIR into an artifact at OUT_DIR.
 
     Reads config.json and the safetensors weights (single file or sharded), runs the passes
@@ -97,8 +104,9 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check
     from mlac.config import ModelConfig
 
     options = CompileOptions(
-        fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check
-    )
+        fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check,
+        cuda_graph_max_bs=cuda_graph_max_bs,
+    )  # fmt: skip
     check_options(ModelConfig.from_dir(model_dir), options)  # before any safetensors file is opened
     ckpt = Checkpoint(model_dir)
     with _progress(ckpt.total_bytes, "compiling") as bar:
@@ -118,7 +126,7 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
 @friendly_errors
 def inspect(out_dir, as_json):
-    """Show an artifact: model, passes, plan, quantization, sizes per rank, accuracy."""
+    """Show an artifact: model, passes, plan, quantization, buckets and memory plan, sizes, accuracy."""
     from mlac.artifact import Manifest
     from mlac.inspect import describe
 

@@ -4,11 +4,32 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from mlac.artifact import Manifest
+from mlac.artifact import BucketPlan, Manifest
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _buckets(b: BucketPlan | None) -> list[str]:
+    """The CUDA-graph buckets and the memory plan, binary units (as GPU memory is reported)."""
+    if b is None:
+        return ["buckets       none (compiled before the buckets pass)"]
+    sizes = b.decode_batch_sizes
+    shown = ", ".join(map(str, sizes if len(sizes) <= 8 else [*sizes[:5], "...", sizes[-1]]))
+    peaks = f"bs {sizes[0]}: {_gib(b.activation_bytes[0])}, bs {sizes[-1]}: {_gib(b.activation_bytes[-1])}"
+    return [
+        f"buckets       {len(sizes)} decode batch sizes: {shown} (--cuda-graph-max-bs {b.cuda_graph_max_bs})",
+        f"memory plan   weights per rank: {', '.join(_gib(w) for w in b.weight_bytes)}",
+        f"memory plan   KV cache {b.kv_bytes_per_token:,} bytes/token per rank; "
+        f"CUDA-graph pool {_gib(b.graph_pool_bytes)}",
+        f"memory plan   decode activations {peaks}; prefill of {b.prefill_tokens} tokens "
+        f"{_gib(b.prefill_activation_bytes)} (estimates, x{b.safety_factor:g} safety factor)",
+    ]  # fmt: skip
 
 
 def describe(m: Manifest) -> str:
@@ -34,6 +55,7 @@ def describe(m: Manifest) -> str:
         f"kv cache      {m.options.kv_cache_dtype}",
         f"versions      mlac {m.mlac_version}, torch {m.torch_version}, triton {m.triton_version}",
     ]  # fmt: skip
+    lines += _buckets(m.buckets)
     sizes: dict[str, int] = defaultdict(int)
     for f in m.files:
         sizes[f.path.split("/")[0]] += f.size

@@ -58,7 +58,7 @@ def test_manifest_records_files_tensors_and_source(artifact, checkpoint):
         "layers.1.attn.w_kc",
     } <= names
     assert m.tensors[0]["layers.1.attn.w_kc"].dtype == "BF16"  # absorbed weights are not FP8
-    assert [p.name for p in m.passes] == ["read", "rope", "fuse", "absorb", "fp8"]
+    assert [p.name for p in m.passes] == ["read", "rope", "fuse", "absorb", "fp8", "buckets"]
 
 
 def test_verify_and_inspect(artifact, tmp_path):

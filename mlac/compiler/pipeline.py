@@ -29,7 +29,7 @@ from mlac.compiler.lazy import LazyTensor
 from mlac.compiler.reader import Checkpoint, read_globals, read_layer
 from mlac.compiler.writer import ArtifactWriter
 from mlac.config import FP8_BLOCK, ModelConfig
-from mlac.passes import PassContext, absorb, fp8, fuse, rope, shard
+from mlac.passes import PassContext, absorb, buckets, fp8, fuse, rope, shard
 
 LAYER_PASSES = (rope, fuse, absorb)  # then shard (one layer -> one dict per rank), then fp8 per rank
 TOKENIZER_FILES = (
@@ -46,6 +46,7 @@ Log = Callable[[str], None]
 def check_options(config: ModelConfig, options: CompileOptions) -> None:
     """Everything about the options that can be refused from the config alone (no tensor read)."""
     shard.check(config, options)
+    buckets.check(options)
 
 
 def tensor_groups(
@@ -74,6 +75,7 @@ def pass_records(ckpt: Checkpoint, options: CompileOptions) -> list[PassRecord]:
         records.append(PassRecord(name=shard.NAME, params=shard.params(ctx)))
     if options.fp8:
         records.append(PassRecord(name=fp8.NAME, params=fp8.params(ctx)))
+    records.append(PassRecord(name=buckets.NAME, params=buckets.params(ctx)))
     return records
 
 
@@ -169,6 +171,7 @@ def _manifest(ckpt: Checkpoint, options: CompileOptions, w: ArtifactWriter, accu
         passes=pass_records(ckpt, options),
         plan=ParallelPlan(tp=options.tp, ep=options.ep),
         quantization=quant,
+        buckets=buckets.plan_buckets(ckpt.config, options, w.tensors),
         accuracy=accuracy or AccuracyReport(status="skipped", reason="not measured yet"),
         tensors=w.tensors,
         files=sorted(w.files, key=lambda f: f.path),
