@@ -50,6 +50,14 @@ def test_inputs_fill_real_rows_then_padding(artifact):
         inputs.fill(Step.of([[1]], [20], [[0, 1, 2, 3, 4, 5]]), 1)
 
 
+def spy(run, calls: list[int]):
+    def wrapped(step: Step):
+        calls.append(step.num_seqs)
+        return run(step)
+
+    return wrapped
+
+
 def test_padded_static_step_gives_the_eager_tokens(artifact):
     """Batches of 3, 5 and 7 pad to buckets 4 and 8; greedy and seeded sampling agree."""
     engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, num_blocks=64)
@@ -63,8 +71,7 @@ def test_padded_static_step_gives_the_eager_tokens(artifact):
         graphs = DecodeGraphs(engine.runner.model, engine.cache, [1, 2, 4, 8], engine.max_context)
         engine.runner.graphs = graphs
         calls = []
-        run = graphs.run
-        graphs.run = lambda step: calls.append(step.num_seqs) or run(step)
+        graphs.run = spy(graphs.run, calls)
         padded = engine.generate(prompts[:n], params[:n])
         assert [c.token_ids for c in padded] == [c.token_ids for c in eager]
         assert calls and max(calls) == n  # the decode steps went through the static buffers

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from mlac.artifact import MANIFEST, Manifest
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.passes.buckets import MAX_BS as MAX_GRAPH_BS
+from mlac.passes.buckets import decode_buckets
 from mlac.runtime.dist import (
     LaunchSpec,
     RankGroup,
@@ -44,7 +46,6 @@ from mlac.runtime.step import Step
 __all__ = ["DistributedRunner", "LaunchSpec", "ModelRunner", "RuntimeOptions", "make_cache", "make_runner"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-MAX_GRAPH_BS = 4096
 
 
 class ModelRunner:
@@ -115,8 +116,10 @@ class RuntimeOptions:
             raise MlacError(f"cuda_graph_max_bs={self.cuda_graph_max_bs}: must be in [1, {MAX_GRAPH_BS}]")
 
     def graph_buckets(self, manifest: Manifest) -> list[int]:
-        """The artifact's decode buckets up to cuda_graph_max_bs (and that size itself)."""
-        ladder = [1, 2, 4, 8, *range(16, MAX_GRAPH_BS + 1, 16)]
+        """The artifact's decode buckets (the buckets pass's, or its default ladder for an
+        artifact compiled without them) up to cuda_graph_max_bs, and that size itself."""
+        plan = manifest.buckets
+        ladder = plan.decode_batch_sizes if plan is not None else decode_buckets(MAX_GRAPH_BS)
         return sorted({b for b in ladder if b < self.cuda_graph_max_bs} | {self.cuda_graph_max_bs})
 
 
