@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
-from mlac.artifact import Manifest
+from mlac.artifact import IDENTITY, Manifest, artifact_identity, recorded_identity
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def describe_identity(root: str | Path) -> str:
+    """The identity line: the manifest's sha256, and whether manifest.sha256 records the same
+    (inspect shows a damaged artifact; `verify` and the loader refuse it)."""
+    identity, recorded = artifact_identity(root), recorded_identity(root)
+    note = ""
+    if recorded is None:
+        note = f" (no {IDENTITY}: unfinished, or older than identities; verify and load refuse it)"
+    elif recorded != identity:
+        note = f" (MISMATCH: {IDENTITY} says {recorded}; the manifest was edited)"
+    return f"identity      {identity}{note}\n"
 
 
 def describe(m: Manifest) -> str:
