@@ -48,7 +48,7 @@ class ArtifactWriter:
         touching anything; then remove stale temporary folders of dead compiles to `out` (naming them
         in `log`) and start a fresh one."""
         self.out = Path(out).absolute()
-        check_not_source(self.out, Path(source))
+        check_not_source(Path(out), Path(source))
         if self.out.exists() and not force:
             raise MlacError(f"{out}: already exists; pass --force to replace it")
         if self.out.exists() and not self.out.is_dir():
