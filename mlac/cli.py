@@ -94,11 +94,13 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check
     from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import check_options, compile_checkpoint
     from mlac.compiler.reader import Checkpoint
+    from mlac.compiler.writer import check_not_source
     from mlac.config import ModelConfig
 
     options = CompileOptions(
         fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check
     )
+    check_not_source(out_dir, model_dir)  # before anything is read or written (the writer checks again)
     check_options(ModelConfig.from_dir(model_dir), options)  # before any safetensors file is opened
     ckpt = Checkpoint(model_dir)
     with _progress(ckpt.total_bytes, "compiling") as bar:
