@@ -18,6 +18,7 @@ from mlac.errors import MlacError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+IDENTITY = "manifest.sha256"  # the artifact's identity; `sha256sum -c manifest.sha256` checks it too
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -144,7 +145,11 @@ class Manifest(Frozen):
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MlacError(f"{path}: invalid JSON ({e})") from None
-        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        except RecursionError:
+            raise MlacError(f"{path}: invalid JSON (nested too deeply)") from None
+        if not isinstance(raw, dict):
+            raise MlacError(f"{path}: not a manifest (a JSON {type(raw).__name__}, not an object)")
+        version = raw.get("schema_version")
         if version != SCHEMA_VERSION:
             raise MlacError(
                 f"{path}: schema_version {version!r} is not {SCHEMA_VERSION}; recompile with this mlac"
@@ -204,3 +209,71 @@ def verify_files(
 
 def manifest_json_schema() -> str:
     return json.dumps(Manifest.model_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+# -- identity: one digest over the manifest, which lists every file with its size and sha256 --------
+
+
+def artifact_identity(root: str | Path) -> str:
+    """The artifact's identity: the sha256 of its manifest.json bytes. The manifest holds every
+    file's sha256, so this one digest covers the model config, the plan and every byte of every file."""
+    return sha256_file(Path(root) / MANIFEST)
+
+
+def identity_record(identity: str) -> str:
+    """The contents of manifest.sha256, in `sha256sum` format."""
+    return f"{identity}  {MANIFEST}\n"
+
+
+def recorded_identity(root: str | Path) -> str | None:
+    """The identity in manifest.sha256, or None when the file is absent (an unfinished artifact,
+    or one written before mlac recorded identities); raise if it is malformed."""
+    path = Path(root) / IDENTITY
+    if not path.exists() and not path.is_symlink():
+        return None
+    text = ""
+    if path.is_file():
+        with open(path, "rb") as f:
+            text = f.read(200).decode(errors="replace")
+    identity = text[:64]
+    if text != identity_record(identity) or not all(c in "0123456789abcdef" for c in identity):
+        raise MlacError(f"{path}: malformed (want '<64 hex digits>  {MANIFEST}'); recompile the artifact")
+    return identity
+
+
+def check_identity(root: str | Path, manifest: Manifest, required: bool = True) -> str:
+    """Refuse an artifact whose manifest.json does not hash to manifest.sha256, or any of whose files
+    (the manifest, the identity, every listed file) is a symlink or lies under one. Without
+    manifest.sha256 the artifact is refused when `required`, else (a compile measuring its own
+    unfinished artifact) only the symlinks are checked. Return the identity (sha256 hex)."""
+    root = Path(root)
+    check_no_symlinks(root, [MANIFEST, IDENTITY] + [f.path for f in manifest.files])
+    identity, recorded = artifact_identity(root), recorded_identity(root)
+    if recorded is None and required:
+        raise MlacError(
+            f"{root}: {IDENTITY} not found: the artifact is unfinished (a compile's temporary folder) "
+            "or was written by an mlac older than its identity check; recompile it"
+        )
+    if recorded is not None and recorded != identity:
+        raise MlacError(
+            f"{root / MANIFEST}: sha256 {identity[:16]}... does not match {IDENTITY} ({recorded[:16]}...): "
+            "the manifest was edited or is corrupt; recompile the artifact"
+        )
+    return identity
+
+
+def check_no_symlinks(root: Path, rels: list[str]) -> None:
+    """Refuse a path of the artifact that is a symlink, lies under one, or resolves outside `root`
+    (`root` itself may be a symlink: the artifact is what it points to)."""
+    top = root.resolve()
+    for rel in rels:
+        check_inside(rel, root / MANIFEST)
+        parts = PurePosixPath(rel).parts
+        for i in range(1, len(parts) + 1):
+            if (top.joinpath(*parts[:i])).is_symlink():
+                raise MlacError(
+                    f"{root / '/'.join(parts[:i])}: is a symlink; an artifact must hold its own files "
+                    "(replace the link by the file, or recompile)"
+                )
+        if not top.joinpath(*parts).resolve().is_relative_to(top):
+            raise MlacError(f"{rel}: resolves outside the artifact directory; refusing it")

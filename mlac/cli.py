@@ -101,12 +101,14 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, 
     from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import check_options, compile_checkpoint
     from mlac.compiler.reader import Checkpoint
+    from mlac.compiler.writer import check_not_source
     from mlac.config import ModelConfig
 
     options = CompileOptions(
         fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check,
         cuda_graph_max_bs=cuda_graph_max_bs,
     )  # fmt: skip
+    check_not_source(out_dir, model_dir)  # before anything is read or written (the writer checks again)
     check_options(ModelConfig.from_dir(model_dir), options)  # before any safetensors file is opened
     ckpt = Checkpoint(model_dir)
     with _progress(ckpt.total_bytes, "compiling") as bar:
@@ -126,26 +128,31 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, 
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
 @friendly_errors
 def inspect(out_dir, as_json):
-    """Show an artifact: model, passes, plan, quantization, buckets and memory plan, sizes, accuracy."""
+    """Show an artifact: identity, model, passes, plan, quantization, buckets and memory plan, sizes, accuracy."""
     from mlac.artifact import Manifest
-    from mlac.inspect import describe
+    from mlac.inspect import describe, describe_identity
 
     manifest = Manifest.load(out_dir)
-    click.echo(manifest.to_json() if as_json else describe(manifest), nl=not as_json)
+    text = manifest.to_json() if as_json else describe_identity(out_dir) + describe(manifest)
+    click.echo(text, nl=not as_json)
 
 
 @main.command()
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @friendly_errors
 def verify(out_dir):
-    """Re-hash every file of an artifact against its manifest; name the first that differs."""
-    from mlac.artifact import Manifest, verify_files
+    """Check the manifest against its identity (manifest.sha256) and re-hash every file against the
+    manifest; refuse symlinks; name the first thing that differs. Prints the identity."""
+    from mlac.artifact import Manifest, check_identity, verify_files
 
     manifest = Manifest.load(out_dir)
+    identity = check_identity(out_dir, manifest)
     total = sum(f.size for f in manifest.files)
     with _progress(total, "verifying") as bar:
         verify_files(out_dir, manifest, progress=bar.update)
-    click.echo(f"ok: {len(manifest.files)} files, {total / 1e9:.3f} GB match the manifest")
+    click.echo(
+        f"ok: {len(manifest.files)} files, {total / 1e9:.3f} GB match the manifest; identity {identity}"
+    )
 
 
 @main.command()

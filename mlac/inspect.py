@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
-from mlac.artifact import BucketPlan, Manifest
+from mlac.artifact import IDENTITY, BucketPlan, Manifest, artifact_identity, recorded_identity
 
 
 def _gb(n: int) -> str:
@@ -30,6 +31,18 @@ def _buckets(b: BucketPlan | None) -> list[str]:
         f"memory plan   decode activations {peaks}; prefill of {b.prefill_tokens} tokens "
         f"{_gib(b.prefill_activation_bytes)} (estimates, x{b.safety_factor:g} safety factor)",
     ]  # fmt: skip
+
+
+def describe_identity(root: str | Path) -> str:
+    """The identity line: the manifest's sha256, and whether manifest.sha256 records the same
+    (inspect shows a damaged artifact; `verify` and the loader refuse it)."""
+    identity, recorded = artifact_identity(root), recorded_identity(root)
+    note = ""
+    if recorded is None:
+        note = f" (no {IDENTITY}: unfinished, or older than identities; verify and load refuse it)"
+    elif recorded != identity:
+        note = f" (MISMATCH: {IDENTITY} says {recorded}; the manifest was edited)"
+    return f"identity      {identity}{note}\n"
 
 
 def describe(m: Manifest) -> str:

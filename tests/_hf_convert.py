@@ -227,7 +227,7 @@ def write_artifact(
     out: Path, raw: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer_dir: Path | None
 ) -> Path:
     """Write tensors + manifest in the artifact layout (1 rank). Returns `out`."""
-    from mlac.artifact import Manifest
+    from mlac.artifact import IDENTITY, Manifest, artifact_identity, identity_record
 
     config = ModelConfig.from_hf(raw)
     out.mkdir(parents=True, exist_ok=True)
@@ -276,6 +276,7 @@ def write_artifact(
         }
     )
     (out / "manifest.json").write_text(manifest.to_json())
+    (out / IDENTITY).write_text(identity_record(artifact_identity(out)))
     return out
 
 

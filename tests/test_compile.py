@@ -42,7 +42,7 @@ def test_compiling_twice_gives_identical_bytes(checkpoint, tmp_path, fp8):
 def test_manifest_records_files_tensors_and_source(artifact, checkpoint):
     root = artifact("tiny-v3", fp8=True)
     m = Manifest.load(root)
-    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {"manifest.json"}
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {"manifest.json", "manifest.sha256"}
     assert {f.path for f in m.files} == on_disk
     assert {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= on_disk
     assert m.quantization.scheme == "fp8-block" and m.quantization.kept_source_blocks

@@ -10,6 +10,7 @@ import pytest
 import torch
 from _hf_convert import build_hf, convert, raw_config, write_artifact
 
+from mlac.artifact import IDENTITY, artifact_identity, identity_record
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
 from mlac.runtime.engine import Engine
@@ -38,6 +39,7 @@ def edit_manifest(root: Path, fn) -> None:
     m = json.loads((root / "manifest.json").read_text())
     fn(m)
     (root / "manifest.json").write_text(json.dumps(m))
+    (root / IDENTITY).write_text(identity_record(artifact_identity(root)))  # re-sealed
 
 
 def layer_file(root: Path) -> Path:

@@ -114,7 +114,7 @@ def compile_checkpoint(
     if ckpt.mtp_layers:
         log(f"source: MTP layer(s) {ckpt.mtp_layers} recorded, not compiled into the main model")
     start = time.perf_counter()
-    with ArtifactWriter(out_dir, world_size=options.tp, force=force) as w:
+    with ArtifactWriter(out_dir, world_size=options.tp, source=ckpt.dir, force=force, log=log) as w:
         for file, ranks in tensor_groups(ckpt, options, progress):
             w.write_group(file, ranks)
         for name in TOKENIZER_FILES:

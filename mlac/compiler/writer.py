@@ -1,33 +1,62 @@
 """Artifact writer: builds the artifact in a temporary sibling directory, renames it into place.
 
-Nothing at `out/` looks like an artifact until every file is written and hashed and the manifest
-is the last file in. An interrupted or failed compile removes its temporary directory; an
-existing `out/` is replaced only with `force`, and only after the new artifact is complete.
+Nothing at `out/` looks like an artifact until every file is written and hashed. The manifest is
+written after every other file, and its identity (`manifest.sha256`) last: a folder without the
+identity is unfinished, and `verify` and the loader refuse it. An interrupted or failed compile
+removes its temporary directory; one killed outright (SIGKILL) leaves `.<out>.tmp-<pid>`, which the
+next compile to the same `out/` removes once that process is gone. An existing `out/` is replaced
+only with `force`, and only after the new artifact is complete. The output may not overlap the
+source checkpoint: replacing it would delete the source.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from mlac.artifact import MANIFEST, FileEntry, Manifest, TensorEntry, rank_dir, sha256_file
+from mlac.artifact import (
+    IDENTITY,
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    artifact_identity,
+    identity_record,
+    rank_dir,
+    sha256_file,
+)
 from mlac.compiler.lazy import LazyTensor
 from mlac.compiler.safetensors_io import WriteSpec, dtype_name, iter_rows, write_safetensors_lockstep
 from mlac.errors import MlacError
 
+Log = Callable[[str], None]
+
 
 class ArtifactWriter:
-    def __init__(self, out: str | Path, world_size: int, force: bool = False):
+    def __init__(
+        self,
+        out: str | Path,
+        world_size: int,
+        source: str | Path,
+        force: bool = False,
+        log: Log = lambda msg: None,
+    ):
+        """Refuse a bad `out` (overlapping `source`, existing without `force`, not a directory) before
+        touching anything; then remove stale temporary folders of dead compiles to `out` (naming them
+        in `log`) and start a fresh one."""
         self.out = Path(out).absolute()
+        check_not_source(Path(out), Path(source))
         if self.out.exists() and not force:
             raise MlacError(f"{out}: already exists; pass --force to replace it")
         if self.out.exists() and not self.out.is_dir():
             raise MlacError(f"{out}: exists and is not a directory")
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        for stale in remove_stale_tmp(self.out):
+            log(f"removed {stale}: the temporary folder of a compile that no longer runs")
+        self.tmp = tmp_dir(self.out, os.getpid())
         self.tmp.mkdir()
         self.world_size = world_size
         self.files: list[FileEntry] = []
@@ -67,7 +96,10 @@ class ArtifactWriter:
         self.files.append(FileEntry(path=rel, size=dst.stat().st_size, sha256=sha256_file(dst)))
 
     def commit(self, manifest: Manifest) -> Path:
-        (self.tmp / MANIFEST).write_text(manifest.to_json())
+        """Write the manifest, then its identity (last: it marks the artifact complete), then rename
+        the folder into place, replacing the old `out/` only now."""
+        _write_synced(self.tmp / MANIFEST, manifest.to_json())
+        _write_synced(self.tmp / IDENTITY, identity_record(artifact_identity(self.tmp)))
         old = None
         if self.out.exists():
             old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
@@ -76,6 +108,60 @@ class ArtifactWriter:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.out
+
+
+def check_not_source(out: Path, source: Path) -> None:
+    """Refuse an output directory that is, contains, or lies inside the source checkpoint (symlinks
+    resolved): `--force` would delete the source, and the temporary folder would land inside it."""
+    o, s = out.resolve(), source.resolve()
+    if o == s or s.is_relative_to(o) or o.is_relative_to(s):
+        relation = "is" if o == s else "contains" if s.is_relative_to(o) else "lies inside"
+        raise MlacError(
+            f"{out}: the output directory {relation} the source checkpoint {source}; "
+            "choose an OUT_DIR outside the source"
+        )
+
+
+def tmp_dir(out: Path, pid: int) -> Path:
+    """The folder where process `pid` builds the artifact for `out`."""
+    return out.parent / f".{out.name}.tmp-{pid}"
+
+
+def remove_stale_tmp(out: Path) -> list[Path]:
+    """Remove the temporary folders that killed compiles to `out` left (`.<name>.tmp-<pid>` whose
+    process is gone, or is this one: its name is about to be reused); return them. A folder of a
+    live process is kept. NOTE: only the PID is checked; a compile to shared storage from another
+    host is not seen, and a PID reused by an unrelated process keeps its folder."""
+    prefix = f".{out.name}.tmp-"
+    removed = []
+    for p in sorted(out.parent.iterdir()):
+        pid = p.name[len(prefix) :]
+        ours = p.name.startswith(prefix) and pid.isascii() and pid.isdigit() and int(pid) > 0
+        if not ours or p.is_symlink():
+            continue
+        if p.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # an earlier compile of this process; its folder's name is ours now
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or no PID this system can have: not ours to remove
+    return True
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _stream(t: LazyTensor):

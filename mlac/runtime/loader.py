@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mlac.artifact import FileEntry, Manifest, TensorEntry, check_inside, verify_files
+from mlac.artifact import FileEntry, Manifest, TensorEntry, check_identity, check_inside, verify_files
 from mlac.errors import MlacError
 
 KEEP_FLOAT32 = (".scale", ".gate_bias")  # tensor contract: float32 whatever the compute dtype
@@ -51,6 +51,7 @@ def load_artifact(
     """Load rank `rank` of the artifact at `path`; raise MlacError on any mismatch with the manifest."""
     root = Path(path)
     manifest = Manifest.load(root)
+    check_identity(root, manifest, required=verify)  # the manifest unedited; no file a symlink
     if not 0 <= rank < len(manifest.tensors):
         raise MlacError(
             f"{root}: rank {rank} out of range (the artifact has {len(manifest.tensors)} rank(s))"
