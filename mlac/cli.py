@@ -226,6 +226,81 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
 
 @main.command()
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--batch-sizes", default="1,32,256", show_default=True, help="Comma-separated decode batch sizes.")
+@click.option("--input-len", type=click.IntRange(1), default=64, show_default=True, help="Prompt tokens per sequence.")
+@click.option("--output-len", type=click.IntRange(2), default=64, show_default=True, help="Tokens generated per sequence.")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when a GPU is present).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True, help="Decode steps as CUDA graphs.")
+@click.option("--cuda-graph-max-bs", type=click.IntRange(1, 4096), default=256, show_default=True,
+              help="Largest decode batch captured as a CUDA graph.")  # fmt: skip
+@click.option("--num-blocks", type=click.IntRange(1), default=None,
+              help="KV cache blocks of 16 tokens (default: what the largest batch needs).")  # fmt: skip
+@click.option("--no-verify", is_flag=True, help="Trusted storage: check file sizes only, skip sha256.")
+@click.option("--profile", is_flag=True, help="Also profile decode steps of the smallest batch (CUDA).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
+@friendly_errors
+def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph, cuda_graph_max_bs, num_blocks,
+          no_verify, profile, json_path):  # fmt: skip
+    """Prefill and decode speed of OUT_DIR per batch size, against the bandwidth roofline.
+
+    \b
+      mlac bench out/ --batch-sizes 1,32,256 --input-len 64 --output-len 64 --json bench.json
+    """
+    import torch
+
+    from mlac import bench as b
+    from mlac.runtime.engine import Engine
+    from mlac.runtime.scheduler import SchedulerConfig
+
+    sizes = _batch_sizes(batch_sizes)
+    device = _device(device)
+    blocks = num_blocks or max(sizes) * -(-(input_len + output_len) // 16) + 1
+    sched = SchedulerConfig(max_running_requests=max(sizes), chunked_prefill_size=max(2048, input_len))
+    engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype), verify=not no_verify,
+                                  num_blocks=blocks, scheduler_config=sched, cuda_graph=cuda_graph,
+                                  cuda_graph_max_bs=cuda_graph_max_bs)  # fmt: skip
+    with engine:
+        bandwidth, results = b.bench(engine, sizes, input_len, output_len, progress=_log)
+        click.echo(b.table(bandwidth, results))
+        prof = b.profile_decode(engine, sizes[0], input_len) if profile and engine.device.type == "cuda" else None
+        if prof is not None:
+            click.echo(f"profile, batch {prof['batch']}: {prof['kernels_per_step']:.0f} kernels per decode step, "
+                       f"{prof['gpu_kernel_ms_per_step']:.2f} ms GPU kernel time of {prof['wall_ms_per_step']:.2f} ms wall")  # fmt: skip
+        if json_path is not None:
+            settings = dict(input_len=input_len, output_len=output_len, cuda_graph=cuda_graph,
+                            cuda_graph_max_bs=cuda_graph_max_bs, dtype=dtype, profile=prof)  # fmt: skip
+            json_path.write_text(b.to_json(engine, bandwidth, results, **settings) + "\n")
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise MlacError(f"--batch-sizes {text!r}: expected comma-separated integers, e.g. 1,32,256") from None
+    if not sizes or sizes[0] < 1:
+        raise MlacError(f"--batch-sizes {text!r}: sizes must be integers >= 1")
+    return sizes
+
+
+def _device(device: str | None) -> str:
+    """The device to run on: cuda when none is named and a GPU is present; a named one must exist."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise MlacError(f"unknown device {device!r}: expected cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise MlacError(f"--device {device}: CUDA is not available on this machine")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise MlacError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server)."
 )

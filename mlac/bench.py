@@ -1,0 +1,211 @@
+"""`mlac bench`: prefill and decode speed of an artifact, in process, against the bandwidth roofline.
+
+For each batch size B: B prompts of `input_len` random token ids run through the engine's
+continuous-batching scheduler with `output_len` tokens each (greedy, eos ignored). Prefill is timed
+until every sequence has its first token; decode from there to the end. The roofline is the
+fewest bytes a decode step must read (from the manifest: every rank-0 weight once, the routed
+experts that B tokens are expected to touch, B sequences' cached latents) over the device-copy
+bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mlac.artifact import Manifest
+from mlac.runtime.engine import Engine
+from mlac.runtime.sampling import SamplingParams
+
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4}
+EXPERT_TENSORS = (".moe.w13", ".moe.w2")  # [E_local, ...] stacked routed experts (and their .scale)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    batch: int
+    input_len: int
+    output_len: int
+    prefill_s: float
+    prefill_tokens_per_s: float
+    decode_steps: int
+    decode_s: float
+    decode_tokens_per_s: float
+    ms_per_step: float
+    step_bytes: int  # the fewest bytes one decode step reads (rank 0)
+    roofline_tokens_per_s: float
+    roofline_fraction: float
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 1 << 27)
+    src = torch.rand(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - start)
+
+
+def decode_step_bytes(manifest: Manifest, batch: int, context: int, kv_bytes_per_token: int) -> int:
+    """Bytes rank 0 must read in one decode step of `batch` sequences of `context` cached tokens:
+    every weight once (the embedding only for the batch's rows), of the routed experts only those
+    `batch` tokens are expected to pick (uniform routing: E·(1 − (1 − k/E)^B) per layer)."""
+    cfg = manifest.model
+    experts = cfg.n_routed_experts or 1
+    touched = experts * (1 - (1 - (cfg.num_experts_per_tok or 1) / experts) ** batch)
+    total = 0
+    for name, t in manifest.tensors[0].items():
+        size = ITEMSIZE[t.dtype]
+        for d in t.shape:
+            size *= d
+        if name == "embed":
+            size = size // t.shape[0] * batch
+        elif any(k in name for k in EXPERT_TENSORS):
+            size = size * min(1.0, touched / experts)
+        total += int(size)
+    return total + batch * context * kv_bytes_per_token
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_batch(
+    engine: Engine, batch: int, input_len: int, output_len: int, seed: int = 0
+) -> tuple[float, float, int]:
+    """(prefill seconds, decode seconds, decode steps) of one batch through a fresh scheduler."""
+    rng = random.Random(seed)
+    vocab = engine.config.vocab_size
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    sched = engine.scheduler()
+    seqs = [
+        engine.new_sequence([rng.randrange(3, vocab) for _ in range(input_len)], params) for _ in range(batch)
+    ]
+    for s in seqs:
+        sched.add(s)
+    _sync(engine.device)
+    start = time.perf_counter()
+    try:
+        while not all(s.output_ids for s in seqs):
+            sched.step()
+        _sync(engine.device)
+        prefilled = time.perf_counter()
+        steps = 0
+        while sched.has_unfinished:
+            sched.step()
+            steps += 1
+        _sync(engine.device)
+    finally:
+        sched.abort_all()
+    return prefilled - start, time.perf_counter() - prefilled, steps
+
+
+def bench(
+    engine: Engine,
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[float, list[BenchResult]]:
+    """(copy bandwidth bytes/s, one result per batch size). Each batch runs once untimed first."""
+    manifest = engine.manifest
+    bandwidth = copy_bandwidth(engine.device)
+    kv_per_token = engine.cache.bytes_per_block(engine.config, 1, engine.cache.dtype, engine.cache.kv_dtype)
+    results = []
+    for b in batch_sizes:
+        run_batch(engine, b, input_len, min(output_len, 4), seed=1)  # warm-up: this batch's shapes
+        prefill_s, decode_s, steps = run_batch(engine, b, input_len, output_len)
+        step_bytes = decode_step_bytes(manifest, b, input_len + output_len // 2, kv_per_token)
+        decode_tps = b * steps / decode_s if steps else 0.0
+        roofline = b * bandwidth / step_bytes
+        results.append(BenchResult(
+            batch=b, input_len=input_len, output_len=output_len, prefill_s=prefill_s,
+            prefill_tokens_per_s=b * input_len / prefill_s, decode_steps=steps, decode_s=decode_s,
+            decode_tokens_per_s=decode_tps, ms_per_step=1e3 * decode_s / max(steps, 1), step_bytes=step_bytes,
+            roofline_tokens_per_s=roofline, roofline_fraction=decode_tps / roofline,
+        ))  # fmt: skip
+        progress(f"batch {b}: decode {decode_tps:,.0f} tok/s")
+    return bandwidth, results
+
+
+def table(bandwidth: float, results: list[BenchResult]) -> str:
+    head = f"{'batch':>6} {'prefill tok/s':>14} {'decode tok/s':>13} {'ms/step':>8} {'roofline tok/s':>15} {'of roofline':>12}"
+    rows = [
+        f"{r.batch:>6} {r.prefill_tokens_per_s:>14,.0f} {r.decode_tokens_per_s:>13,.1f} {r.ms_per_step:>8.2f} "
+        f"{r.roofline_tokens_per_s:>15,.0f} {r.roofline_fraction:>11.1%}"
+        for r in results
+    ]
+    return "\n".join([f"device copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)", head, *rows])
+
+
+def to_json(engine: Engine, bandwidth: float, results: list[BenchResult], **settings) -> str:
+    device = engine.device
+    record = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": engine.config.model_type,
+        "layers": engine.config.num_hidden_layers,
+        "quantization": engine.manifest.quantization.scheme,
+        "tp": engine.manifest.plan.tp,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        **settings,
+        "results": [asdict(r) for r in results],
+    }
+    return json.dumps(record, indent=2)
+
+
+def profile_decode(engine: Engine, batch: int, input_len: int, steps: int = 8) -> dict:
+    """Kernel launches, GPU kernel time and wall time per decode step (torch profiler, CUDA only),
+    over `steps` decode steps of `batch` sequences after their prefill."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(2)
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    vocab = engine.config.vocab_size
+    sched = engine.scheduler()
+    seqs = [
+        engine.new_sequence([rng.randrange(3, vocab) for _ in range(input_len)], params) for _ in range(batch)
+    ]
+    for s in seqs:
+        sched.add(s)
+    try:
+        while not all(s.output_ids for s in seqs):
+            sched.step()
+        sched.step()  # one decode step outside the profile
+        _sync(engine.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                sched.step()
+            _sync(engine.device)
+            wall = time.perf_counter() - start
+    finally:
+        sched.abort_all()
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    names: dict[str, int] = {}
+    for e in kernels:
+        names[e.name] = names.get(e.name, 0) + 1
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "batch": batch,
+        "steps": steps,
+        "kernels_per_step": len(kernels) / steps,
+        "copies_per_step": (len(gpu) - len(kernels)) / steps,
+        "gpu_kernel_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "kernels_by_name_per_step": {n: c / steps for n, c in top},
+    }
