@@ -102,6 +102,7 @@ def test_mla_prep_odd_sizes(triton_device, cache_dtype):
     t, h, nope, c, r = 5, 3, 0, 40, 12
     proj, ref_proj, cache, ref_cache, slots = run_both(t, h, nope, c, r, BF16, cache_dtype, triton_device, 9)
     close(proj[:, : h * r], ref_proj[:, : h * r])
+    assert torch.equal(proj[:, h * r :], ref_proj[:, h * r :])
     check_cache(cache, ref_cache, slots)
 
 
