@@ -92,11 +92,14 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    shared_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D] -> sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]), [T, D] in x's dtype.
 
     expert(x) = w2 @ (silu(gate) * up), gate/up = halves of w13 @ x. Expert ids outside
-    [0, E) are skipped (they belong to another rank under expert parallelism).
+    [0, E) are skipped (they belong to another rank under expert parallelism). shared_out
+    [T, D] in x's dtype (the shared experts' output) is added to the float32 sum before its one
+    rounding: (routed_f32 + shared_out.float()).to(x.dtype).
     """
     t, d = x.shape
     e, two_i, _ = w13.shape
@@ -110,6 +113,8 @@ def fused_moe_ref(
         gate, up = h.split(two_i // 2, dim=-1)
         y = _expert_linear(F.silu(gate) * up, w2[expert], None if w2_scale is None else w2_scale[expert])
         out.index_add_(0, token, y.to(torch.float32) * topk_weights[token, slot, None].to(torch.float32))
+    if shared_out is not None:
+        out += shared_out.to(torch.float32)
     return out.to(x.dtype)
 
 
@@ -354,16 +359,20 @@ def _moe_reduce_kernel(
     w_ptr,
     ids_ptr,
     out_ptr,
+    shared_ptr,
     T,
     D,
     E,
     stride_y,
     stride_out,
+    stride_shared,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):
     # out[t] = sum_j w[t, j] * y[t * TOP_K + j] over the pairs whose expert is in [0, E)
+    # (+ shared[t] with HAS_SHARED), summed in float32 and rounded once
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     t_ok = t < T
@@ -377,6 +386,9 @@ def _moe_reduce_kernel(
         y_mask = ok[:, None] & d_ok[None, :]
         y = tl.load(y_ptr + pair[:, None] * stride_y + offs[None, :], mask=y_mask, other=0.0)
         acc += y.to(tl.float32) * w[:, None]
+    if HAS_SHARED:
+        s_ptrs = shared_ptr + t[:, None] * stride_shared + offs[None, :]
+        acc += tl.load(s_ptrs, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     out = cast_out(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t[:, None] * stride_out + offs[None, :], out, mask=t_ok[:, None] & d_ok[None, :])
 
@@ -425,12 +437,17 @@ def fused_moe_triton(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     config: MoeConfig | None = None,
+    shared_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton fused MoE; contract as `fused_moe_ref` (x bf16/fp16; weights in x's dtype or e4m3).
 
-    Launches: [act_quant], moe_align, GEMM1 (+SiLU*up, +FP8 re-quant), GEMM2, top-k reduce.
+    Launches: [act_quant], moe_align, GEMM1 (+SiLU*up, +FP8 re-quant), GEMM2, top-k reduce
+    (+ shared_out, added in float32 before the one rounding).
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if shared_out is not None:
+        assert shared_out.shape == x.shape and shared_out.dtype == x.dtype, tuple(shared_out.shape)
+        assert shared_out.stride(-1) == 1 and shared_out.device == x.device, "shared_out: contiguous rows"
     t, d = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -438,7 +455,7 @@ def fused_moe_triton(
     p = t * top_k
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if p == 0:
-        return out.zero_()
+        return out.zero_() if shared_out is None else out.copy_(shared_out)
     fp8 = w13_scale is not None
     cfg = config or pick_moe_config(p, e, fp8)
     if fp8:
@@ -534,14 +551,17 @@ def fused_moe_triton(
         topk_weights.contiguous(),
         topk_ids,
         out,
+        out if shared_out is None else shared_out,  # unused without shared_out
         t,
         d,
         e,
         y.stride(0),
         out.stride(0),
+        0 if shared_out is None else shared_out.stride(0),
         TOP_K=top_k,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
+        HAS_SHARED=shared_out is not None,
         num_warps=4,
     )
     return out
@@ -558,8 +578,10 @@ def fused_moe(
     *,
     use_triton: bool | None = None,
     config: MoeConfig | None = None,
+    shared_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatching entry point (Triton on CUDA, reference on CPU); contract as fused_moe_ref.
+    """Dispatching entry point (Triton on CUDA, reference on CPU); contract as fused_moe_ref
+    (shared_out [T, D] in x's dtype: returns routed + shared_out with one rounding).
 
     The Triton path takes bf16/fp16 x with weights in x's dtype or e4m3 + scales; other dtype
     mixes (float32 x, say) run the reference on any device. `use_triton` forces the choice.
@@ -570,8 +592,8 @@ def fused_moe(
     if use_triton and not triton_ok:
         raise ValueError(f"no Triton MoE for x {x.dtype} with weights {w13.dtype}")
     if triton_ok and _use_triton(x, use_triton):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config, shared_out)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, shared_out)
 
 
 __all__ = [

@@ -8,8 +8,11 @@ gathered from the unbiased scores, then the renormalization / routed_scaling_fac
 
 Tile: one program per token; its E experts sit in a [G_PAD, S_PAD] tile, row g holding group g's
 experts (E = n_group * group_size; one row of E when not grouping), padded to powers of two and
-masked. The gate GEMM that makes the logits stays a plain matmul. `route` dispatches (Triton on
-CUDA, the reference on CPU) with route_ref's signature.
+masked. `route` dispatches (Triton on CUDA, the reference on CPU) with route_ref's signature.
+
+`gate_route` also computes the logits, x.float() @ gate.float().T: for a few tokens (decode) one
+kernel does the gate GEMM in float32 and then the same routing (`_route_tile`); for more tokens
+a matmul, then `route`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ else:  # the CPU runtime must not need triton
     libdevice = None
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# gate_route fuses the gate GEMM up to this many tokens (decode batches); beyond it every fused
+# program re-reading the [E, D] gate weight costs more than one GEMM and a [T, E] round trip.
+FUSED_MAX_TOKENS = 64
 
 
 @jit
@@ -49,17 +55,27 @@ def _pick_max(values, avail, index, NO_INDEX: tl.constexpr):
 
 
 @jit
-def _route_kernel(
-    logits_ptr,
+def _expert_tile(N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    """(ok [G, S], expert [G, S]: row g holds group g's experts, -1 in the padding)."""
+    g = tl.arange(0, G_PAD)
+    s = tl.arange(0, S_PAD)
+    ok = (g[:, None] < N_GROUP) & (s[None, :] < GROUP_SIZE)  # [G, S]
+    return ok, tl.where(ok, g[:, None] * GROUP_SIZE + s[None, :], -1)
+
+
+@jit
+def _route_tile(
+    x,  # [G, S] float32 logits of token t, in the tile layout of _expert_tile
+    ok,
+    expert,
     bias_ptr,
     weights_ptr,
     ids_ptr,
-    stride_t,
+    t,
     scale,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     N_GROUP: tl.constexpr,  # groups of the tile: n_group when grouping, else 1
-    GROUP_SIZE: tl.constexpr,  # experts per group (E when not grouping)
     G_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
@@ -70,13 +86,9 @@ def _route_kernel(
     RENORM: tl.constexpr,  # weights / (sum + 1e-20), before `scale`
     EXACT_EXP: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """Route one token: store its top-k weights and ids at row t (route_ref's rule)."""
     g = tl.arange(0, G_PAD)
     s = tl.arange(0, S_PAD)
-    ok = (g[:, None] < N_GROUP) & (s[None, :] < GROUP_SIZE)  # [G, S]
-    expert = tl.where(ok, g[:, None] * GROUP_SIZE + s[None, :], -1)  # [G, S]; padding -1
-
-    x = tl.load(logits_ptr + t * stride_t + expert, mask=ok, other=0.0).to(tl.float32)
     if SIGMOID:
         scores = tl.math.div_rn(1.0, 1.0 + _exp(-x, EXACT_EXP))
     else:
@@ -120,6 +132,83 @@ def _route_kernel(
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=k < TOP_K)
 
 
+@jit
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_t,
+    scale,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,  # groups of the tile: n_group when grouping, else 1
+    GROUP_SIZE: tl.constexpr,  # experts per group (E when not grouping)
+    G_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    SIGMOID: tl.constexpr,  # else softmax
+    HAS_BIAS: tl.constexpr,
+    GROUP_TOP2: tl.constexpr,  # group score: sum of its top-2 choice values (noaux_tc), else the max
+    DROP_NEG_INF: tl.constexpr,  # experts of dropped groups choose as -inf (noaux_tc), else as 0.0
+    RENORM: tl.constexpr,  # weights / (sum + 1e-20), before `scale`
+    EXACT_EXP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ok, expert = _expert_tile(N_GROUP, GROUP_SIZE, G_PAD, S_PAD)
+    x = tl.load(logits_ptr + t * stride_t + expert, mask=ok, other=0.0).to(tl.float32)
+    _route_tile(
+        x, ok, expert, bias_ptr, weights_ptr, ids_ptr, t, scale,
+        TOP_K, K_PAD, N_GROUP, G_PAD, S_PAD, TOPK_GROUP, SIGMOID, HAS_BIAS, GROUP_TOP2, DROP_NEG_INF,
+        RENORM, EXACT_EXP,
+    )  # fmt: skip
+
+
+@jit
+def _gate_route_kernel(
+    x_ptr,
+    gate_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_x,
+    stride_gate,
+    D,
+    scale,
+    BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    G_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP_TOP2: tl.constexpr,
+    DROP_NEG_INF: tl.constexpr,
+    RENORM: tl.constexpr,
+    EXACT_EXP: tl.constexpr,
+):
+    """_route_kernel on logits it computes itself: x[t] . gate[e] in float32, D in BLOCK_D chunks."""
+    t = tl.program_id(0).to(tl.int64)
+    ok, expert = _expert_tile(N_GROUP, GROUP_SIZE, G_PAD, S_PAD)
+    rows = gate_ptr + expert.to(tl.int64)[:, :, None] * stride_gate  # [G, S, 1]
+    logits = tl.zeros([G_PAD, S_PAD], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs < D
+        xv = tl.load(x_ptr + t * stride_x + offs, mask=d_ok, other=0.0).to(tl.float32)  # [BD]
+        w_mask = ok[:, :, None] & d_ok[None, None, :]
+        w = tl.load(rows + offs[None, None, :], mask=w_mask, other=0.0).to(tl.float32)  # [G, S, BD]
+        logits += tl.sum(w * xv[None, None, :], axis=2)
+    _route_tile(
+        logits, ok, expert, bias_ptr, weights_ptr, ids_ptr, t, scale,
+        TOP_K, K_PAD, N_GROUP, G_PAD, S_PAD, TOPK_GROUP, SIGMOID, HAS_BIAS, GROUP_TOP2, DROP_NEG_INF,
+        RENORM, EXACT_EXP,
+    )  # fmt: skip
+
+
 def _weight_rule(
     method: TopkMethod, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float
 ) -> tuple[bool, float]:
@@ -130,6 +219,49 @@ def _weight_rule(
     if norm_topk_prob and top_k > 1:
         return True, 1.0
     return False, routed_scaling_factor
+
+
+def _check_route_args(e: int, top_k, method, scoring, n_group, topk_group, bias, device) -> None:
+    """The Triton routing's argument checks (route_triton, gate_route_triton)."""
+    assert method in ("greedy", "group_limited_greedy", "noaux_tc"), f"unknown topk_method {method!r}"
+    assert scoring in ("softmax", "sigmoid"), f"unknown scoring_func {scoring!r}"
+    assert 1 <= top_k <= e, f"top_k {top_k} for {e} experts"
+    if method != "greedy" and n_group > 1:
+        assert e % n_group == 0, f"{e} experts do not split into {n_group} groups"
+        assert 1 <= topk_group <= n_group, f"topk_group {topk_group} of {n_group} groups"
+        assert top_k <= topk_group * (e // n_group), f"top_k {top_k} > experts in {topk_group} groups"
+        assert method != "noaux_tc" or e // n_group >= 2, "noaux_tc scores groups by their top 2"
+    if bias is not None:
+        assert tuple(bias.shape) == (e,) and bias.is_contiguous(), (
+            f"bias must be [{e}], got {tuple(bias.shape)}"
+        )
+        assert bias.device == device and bias.is_floating_point(), (bias.device, bias.dtype)
+
+
+def _route_launch_args(
+    e: int, top_k, method, scoring, n_group, topk_group, norm_topk_prob, routed_scaling_factor, bias
+) -> tuple[float, dict]:
+    """(the weights' final scale, the routing constexprs and num_warps) of both kernels."""
+    grouped = method != "greedy" and n_group > 1
+    groups, group_size = (n_group, e // n_group) if grouped else (1, e)
+    renorm, scale = _weight_rule(method, top_k, norm_topk_prob, routed_scaling_factor)
+    g_pad, s_pad = triton.next_power_of_2(groups), triton.next_power_of_2(group_size)
+    return float(scale), dict(
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        N_GROUP=groups,
+        GROUP_SIZE=group_size,
+        G_PAD=g_pad,
+        S_PAD=s_pad,
+        TOPK_GROUP=topk_group if grouped else 1,
+        SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=bias is not None,
+        GROUP_TOP2=method == "noaux_tc",
+        DROP_NEG_INF=method == "noaux_tc",
+        RENORM=renorm,
+        EXACT_EXP=not interpreting(),
+        num_warps=1 if g_pad * s_pad <= 512 else 4,  # one warp: the argmax reductions stay in-warp
+    )
 
 
 def route_triton(
@@ -151,49 +283,71 @@ def route_triton(
         f"logits must be [T, E] with contiguous rows, got {tuple(logits.shape)} strides {logits.stride()}"
     )
     assert logits.dtype in LOGIT_DTYPES, f"logits must be float32/bf16/fp16, got {logits.dtype}"
-    assert method in ("greedy", "group_limited_greedy", "noaux_tc"), f"unknown topk_method {method!r}"
-    assert scoring in ("softmax", "sigmoid"), f"unknown scoring_func {scoring!r}"
     t, e = logits.shape
-    assert 1 <= top_k <= e, f"top_k {top_k} for {e} experts"
-    grouped = method != "greedy" and n_group > 1
-    if grouped:
-        assert e % n_group == 0, f"{e} experts do not split into {n_group} groups"
-        assert 1 <= topk_group <= n_group, f"topk_group {topk_group} of {n_group} groups"
-        assert top_k <= topk_group * (e // n_group), f"top_k {top_k} > experts in {topk_group} groups"
-        assert method != "noaux_tc" or e // n_group >= 2, "noaux_tc scores groups by their top 2"
-    if bias is not None:
-        assert tuple(bias.shape) == (e,) and bias.is_contiguous(), (
-            f"bias must be [{e}], got {tuple(bias.shape)}"
-        )
-        assert bias.device == logits.device and bias.is_floating_point(), (bias.device, bias.dtype)
+    _check_route_args(e, top_k, method, scoring, n_group, topk_group, bias, logits.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
-    groups, group_size = (n_group, e // n_group) if grouped else (1, e)
-    renorm, scale = _weight_rule(method, top_k, norm_topk_prob, routed_scaling_factor)
-    g_pad, s_pad = triton.next_power_of_2(groups), triton.next_power_of_2(group_size)
+    args = (e, top_k, method, scoring, n_group, topk_group, norm_topk_prob, routed_scaling_factor, bias)
+    scale, constexprs = _route_launch_args(*args)
     _route_kernel[(t,)](
         logits,
         logits if bias is None else bias,  # unused without bias
         weights,
         ids,
         logits.stride(0),
-        float(scale),
-        TOP_K=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
-        N_GROUP=groups,
-        GROUP_SIZE=group_size,
-        G_PAD=g_pad,
-        S_PAD=s_pad,
-        TOPK_GROUP=topk_group if grouped else 1,
-        SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=bias is not None,
-        GROUP_TOP2=method == "noaux_tc",
-        DROP_NEG_INF=method == "noaux_tc",
-        RENORM=renorm,
-        EXACT_EXP=not interpreting(),
-        num_warps=1 if g_pad * s_pad <= 512 else 4,  # one warp: the argmax reductions stay in-warp
+        scale,
+        **constexprs,
+    )
+    return weights, ids
+
+
+def gate_route_triton(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    top_k: int,
+    method: TopkMethod,
+    scoring: Literal["softmax", "sigmoid"],
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate GEMM and the routing in one launch, one program per token; contract as `gate_route`.
+
+    Each program reads the whole gate weight [E, D] (from L2 after the first): worth it for a
+    few tokens only, where the separate GEMM and its [T, E] logits round trip cost more."""
+    assert HAS_TRITON, "gate_route_triton needs triton"
+    assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, D] with contiguous rows, got {tuple(x.shape)}"
+    assert gate.dim() == 2 and gate.shape[1] == x.shape[1] and gate.stride(-1) == 1, (
+        f"gate must be [E, {x.shape[1]}] with contiguous rows, got {tuple(gate.shape)}"
+    )
+    assert x.dtype in LOGIT_DTYPES and gate.dtype in LOGIT_DTYPES, (x.dtype, gate.dtype)
+    assert gate.device == x.device, (gate.device, x.device)
+    (t, d), e = x.shape, gate.shape[0]
+    _check_route_args(e, top_k, method, scoring, n_group, topk_group, bias, x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    if t == 0:
+        return weights, ids
+    args = (e, top_k, method, scoring, n_group, topk_group, norm_topk_prob, routed_scaling_factor, bias)
+    scale, constexprs = _route_launch_args(*args)
+    tile = constexprs["G_PAD"] * constexprs["S_PAD"]
+    constexprs["num_warps"] = 4
+    _gate_route_kernel[(t,)](
+        x,
+        gate,
+        x if bias is None else bias,  # unused without bias
+        weights,
+        ids,
+        x.stride(0),
+        gate.stride(0),
+        d,
+        scale,
+        BLOCK_D=max(16, min(triton.next_power_of_2(d), 8192 // tile)),  # a [E_PAD, BLOCK_D] gate tile
+        **constexprs,
     )
     return weights, ids
 
@@ -222,4 +376,30 @@ def route(
     return route_ref(*args)
 
 
-__all__ = ["route", "route_ref", "route_triton"]
+def gate_route(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    top_k: int,
+    method: TopkMethod,
+    scoring: Literal["softmax", "sigmoid"],
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    bias: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits and routing: `route(x.float() @ gate.float().T, ...)`, contract as route_ref.
+
+    x [T, D] and gate [E, D] (bf16/fp16/float32, contiguous rows) -> (weights [T, top_k] float32,
+    ids [T, top_k] int64). On the Triton path, T <= FUSED_MAX_TOKENS runs one fused launch
+    (gate_route_triton); more tokens run the matmul, then route_triton: each fused program
+    re-reads the whole gate weight, which a GEMM reads once. `use_triton` forces the choice."""
+    fused = _use_triton(x, use_triton) and x.dtype in LOGIT_DTYPES and gate.dtype in LOGIT_DTYPES
+    args = (top_k, method, scoring, n_group, topk_group, norm_topk_prob, routed_scaling_factor, bias)
+    if fused and x.shape[0] <= FUSED_MAX_TOKENS:
+        return gate_route_triton(x, gate, *args)
+    return route(x.float() @ gate.float().T, *args, use_triton=use_triton)
+
+
+__all__ = ["gate_route", "gate_route_triton", "route", "route_ref", "route_triton"]

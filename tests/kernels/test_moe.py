@@ -119,12 +119,44 @@ def test_fused_moe_no_local_expert_gives_zeros():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@needs_triton
+@pytest.mark.parametrize("t,n_invalid", [(1, 0), (17, 4)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_adds_shared_out(t, n_invalid, fp8):
+    """routed + shared_out with one rounding: the reference's float32 sum, rounded once."""
+    e, top_k, d, i = 6, 3, 200, 96
+    w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t + 11)
+    weights, ids = _routing(t, e, top_k, seed=t + 12, n_invalid=n_invalid)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEV)
+    shared = torch.randn(t, d, generator=torch.Generator().manual_seed(t + 1)).to(torch.bfloat16).to(DEV)
+    ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2, shared_out=shared)
+    with _util.poisoned_empty():
+        out = moe_mod.fused_moe(x, w13, w2, weights, ids, s13, s2, use_triton=True, shared_out=shared)
+    _util.assert_close(out, ref)
+    plain = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
+    assert _util.rel_err(ref, plain) > 0.1  # shared_out really is in the sum
+
+
+@needs_triton
+def test_fused_moe_shared_out_without_local_experts():
+    """No pair on this rank: the result is shared_out itself."""
+    w13, w2, _, _ = _experts(4, 96, 64, False, seed=1)
+    x = torch.randn(3, 96).to(torch.bfloat16).to(DEV)
+    shared = torch.randn(3, 96).to(torch.bfloat16).to(DEV)
+    ids = torch.tensor([[4, 7], [-1, 9], [5, 4]], device=DEV)
+    out = moe_mod.fused_moe(x, w13, w2, torch.rand(3, 2, device=DEV), ids, use_triton=True, shared_out=shared)
+    assert torch.equal(out, shared)
+
+
 def test_cpu_dispatch_runs_reference():
     w13, w2, _, _ = _experts(4, 96, 64, False, seed=2, device="cpu")
     weights, ids = _routing(3, 4, 2, seed=3, device="cpu")
     x = torch.randn(3, 96).to(torch.bfloat16)
     out = moe_mod.fused_moe(x, w13, w2, weights, ids)
     assert torch.equal(out, moe_mod.fused_moe_ref(x, w13, w2, weights, ids))
+    shared = torch.randn(3, 96).to(torch.bfloat16)
+    out = moe_mod.fused_moe(x, w13, w2, weights, ids, shared_out=shared)
+    assert torch.equal(out, moe_mod.fused_moe_ref(x, w13, w2, weights, ids, shared_out=shared))
 
 
 # ---- GPU: real shapes -------------------------------------------------------------------------
