@@ -57,7 +57,11 @@ class PassResult:
 
 
 def read_files(
-    files: list[FileRead], device: torch.device, verify: bool, threads: int | None = None, chunk: int = CHUNK
+    files: list[FileRead],
+    device: torch.device,
+    verify: bool,
+    threads: int | None = None,
+    chunk: int | None = None,
 ) -> PassResult:
     """Read, hash (with `verify`) and place every file; raise MlacError naming the first file that
     is short or whose sha256 does not match. Sizes were checked before: a file that shrinks while it
@@ -67,7 +71,7 @@ def read_files(
         device = torch.device("cuda", torch.cuda.current_device())
     if not todo:
         return PassResult({}, 0)
-    chunk = max(1, min(chunk, max(f.size for f in todo)))
+    chunk = max(1, min(chunk or CHUNK, max(f.size for f in todo)))
     lanes = [_Lane(device, chunk) for _ in range(max(1, min(threads or default_threads(), len(todo))))]
     work: queue.SimpleQueue[FileRead] = queue.SimpleQueue()
     for f in sorted(todo, key=lambda f: -f.size):  # largest first: the threads finish together
