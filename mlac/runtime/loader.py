@@ -41,7 +41,7 @@ class LoadStats:
 
     def __str__(self) -> str:
         what = "verify+load" if self.verified else "load (sizes only)"
-        return f"{what}: {self.bytes / 1e9:.1f} GB in {self.seconds:.1f} s, {self.gb_per_s:.1f} GB/s"
+        return f"{what}: {self.bytes / 1e9:.3g} GB in {self.seconds:.3g} s, {self.gb_per_s:.3g} GB/s"
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,15 @@ def load_artifact(
     dtype: torch.dtype = torch.bfloat16,
     verify: bool = True,
     threads: int | None = None,
+    chunk_bytes: int | None = None,
 ) -> LoadedRank:
     """Load rank `rank` of the artifact at `path`; raise MlacError on any mismatch with the manifest.
 
     Every file of the rank is checked for presence and size, and every tensor's name, shape and
     dtype against the manifest, before any data is read. Then one pass reads each file once with
-    `threads` threads (default min(8, cpus)), hashing what it copies to `device` (with `verify`),
-    and each file's tensors become views of one uint8 allocation per file (see readpass.py).
+    `threads` threads (default min(8, cpus)) in reads of `chunk_bytes` (default 64 MiB), hashing
+    what it copies to `device` (with `verify`); each file's tensors become views of one uint8
+    allocation per file (see readpass.py).
     """
     start = time.perf_counter()
     root = Path(path)
@@ -97,7 +99,7 @@ def load_artifact(
         FileRead(root / f.path, f.path, f.size, f.sha256, _finish(headers.get(f.path), dtype))
         for f in rank_files(manifest, rank)
     ]
-    done = read_files(reads, torch.device(device), verify, threads)
+    done = read_files(reads, torch.device(device), verify, threads, chunk_bytes)
     tensors = {name: t for rel in sorted(done.results) for name, t in done.results[rel].items()}
     stats = LoadStats(done.bytes_read, time.perf_counter() - start, threads or default_threads(), verify)
     return LoadedRank(manifest, rank, tensors, stats)

@@ -151,7 +151,10 @@ class _Lane:
     def _destination(self, size: int) -> torch.Tensor:
         """The file's bytes: on the device, or on the host for a device that is neither cpu nor cuda."""
         on = self.device if self.device.type in ("cpu", "cuda") else torch.device("cpu")
-        return torch.empty(size, dtype=torch.uint8, device=on)
+        dest = torch.empty(size, dtype=torch.uint8, device=on)
+        if self.stream is not None:  # NOTE: the memory may still be in use by work queued before it was freed
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return dest
 
     def _chunk(self, fd: int, rel: str, offset: int, n: int, dest: torch.Tensor | None, h) -> None:
         if dest is not None and not self.cuda:
