@@ -4,9 +4,9 @@ hash and place them in one pass.
 A rank reads only its own files (its `rank-XXXXX-of-YYYYY/` folder; rank 0 also the shared files
 such as the tokenizer): the ranks of a multi-rank artifact load in parallel, each hashing and
 reading its own slice. Each file is read once, by one of several threads, and hashed as it is
-copied to the device (readpass.py); its tensors are views of one allocation per file. The only conversion at load time: non-FP8 floating tensors are cast to
-the compute dtype. FP8 weights stay FP8; their block scales and the router's correction bias
-stay float32.
+copied to the device (readpass.py); its tensors are views of one allocation per file. The only
+conversion at load time: non-FP8 floating tensors are cast to the compute dtype. FP8 weights stay
+FP8; their block scales and the router's correction bias stay float32.
 """
 
 from __future__ import annotations
