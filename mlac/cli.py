@@ -206,14 +206,17 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
 @friendly_errors
-def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype):
+def generate(
+    out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify
+):
     """Load an artifact and print a completion of --prompt."""
     import torch
 
     from mlac.runtime.engine import Engine
 
-    engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype))
+    engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype), verify=not no_verify)
     if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -371,10 +374,11 @@ def _device(device: str | None) -> str:
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
+@click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
           num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, nnodes, node_rank, master_addr,
-          master_port, warmup, log_level):  # fmt: skip
+          master_port, warmup, log_level, no_verify):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
 
     \b
@@ -396,7 +400,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size),
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
-        warmup=warmup,
+        warmup=warmup, verify=not no_verify,
     )  # fmt: skip
     if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
         load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process

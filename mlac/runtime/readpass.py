@@ -1,0 +1,184 @@
+"""One pass over the bytes: read files with several threads, hash what is read, copy it to the device.
+
+Each file is read by one thread, in order, in chunks of `chunk` bytes (sha256 is sequential per
+file); files run in parallel, largest first. hashlib and file reads release the GIL, so the threads
+hash and read at the same time. Where the bytes land:
+
+- cpu: straight into the file's destination tensor (no staging);
+- cuda: into pinned staging buffers (two per thread), copied with `non_blocking=True` on the
+  thread's own stream; a staging buffer is refilled only after the event of its last copy;
+- another device: into host memory, then one copy per file.
+
+A file's bytes become one uint8 tensor on the device (or are only hashed, for files that hold no
+tensors); `finish` turns that tensor into the caller's result once every byte is in place and, with
+`verify`, the file's sha256 matched the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mlac.errors import MlacError
+
+CHUNK = 64 << 20  # bytes per read; one read returns at most ~2 GiB on Linux, so reads loop anyway
+
+
+def default_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class FileRead:
+    """One file of the pass. `finish` gets the file's bytes on the device (a uint8 tensor of `size`)
+    and returns the caller's result; None: the file is only hashed (it is not read without verify)."""
+
+    path: Path
+    rel: str  # the manifest's path, for messages
+    size: int
+    sha256: str
+    finish: Callable[[torch.Tensor], Any] | None
+
+
+@dataclass(frozen=True)
+class PassResult:
+    results: dict[str, Any]  # rel -> what finish returned (files with a finish only)
+    bytes_read: int
+
+
+def read_files(
+    files: list[FileRead],
+    device: torch.device,
+    verify: bool,
+    threads: int | None = None,
+    chunk: int | None = None,
+) -> PassResult:
+    """Read, hash (with `verify`) and place every file; raise MlacError naming the first file that
+    is short or whose sha256 does not match. Sizes were checked before: a file that shrinks while it
+    is read is reported as truncated."""
+    todo = [f for f in files if f.finish is not None or verify]
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not todo:
+        return PassResult({}, 0)
+    chunk = max(1, min(chunk or CHUNK, max(f.size for f in todo)))
+    lanes = [_Lane(device, chunk) for _ in range(max(1, min(threads or default_threads(), len(todo))))]
+    work: queue.SimpleQueue[FileRead] = queue.SimpleQueue()
+    for f in sorted(todo, key=lambda f: -f.size):  # largest first: the threads finish together
+        work.put(f)
+    stop = threading.Event()
+    with ThreadPoolExecutor(len(lanes), thread_name_prefix="mlac-load") as pool:
+        futures = [pool.submit(lane.drain, work, verify, stop) for lane in lanes]
+        done = [f.exception() or f.result() for f in futures]
+    errors = [d for d in done if isinstance(d, BaseException)]
+    if errors:
+        raise errors[0]
+    results = {rel: r for d in done for rel, r in d.items()}
+    return PassResult(results, sum(f.size for f in todo))
+
+
+def read_exact(fd: int, view: memoryview, offset: int, rel: str) -> None:
+    """Fill `view` from `offset`, looping over short reads; a read of 0 bytes means truncation."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise MlacError(f"{rel}: truncated while reading (at byte {offset + got}); the file changed")
+        got += n
+
+
+class _Lane:
+    """One reader thread's resources: on CUDA its stream and pinned staging buffers."""
+
+    def __init__(self, device: torch.device, chunk: int):
+        self.device, self.chunk = device, chunk
+        self.cuda = device.type == "cuda"
+        self.scratch: list[torch.Tensor] = []  # host buffers: staging (cuda) or for hash-only files
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.turn = 0
+
+    def drain(self, work: queue.SimpleQueue, verify: bool, stop: threading.Event) -> dict[str, Any]:
+        """Read files from `work` until it is empty (or another thread failed)."""
+        out: dict[str, Any] = {}
+        try:
+            with torch.cuda.device(self.device) if self.cuda else nullcontext():
+                while not stop.is_set():
+                    try:
+                        f = work.get_nowait()
+                    except queue.Empty:
+                        break
+                    out[f.rel] = self._file(f, verify, stop)
+        except BaseException:
+            stop.set()
+            raise
+        return {rel: r for rel, r in out.items() if r is not _SKIPPED}
+
+    def _file(self, f: FileRead, verify: bool, stop: threading.Event) -> Any:
+        dest = None if f.finish is None else self._destination(f.size)
+        h = hashlib.sha256() if verify else None
+        try:
+            fd = os.open(f.path, os.O_RDONLY)
+        except OSError as e:
+            raise MlacError(f"{f.rel}: cannot read ({e.strerror})") from None
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for offset in range(0, f.size, self.chunk):
+                if stop.is_set():
+                    return _SKIPPED
+                self._chunk(fd, f.rel, offset, min(self.chunk, f.size - offset), dest, h)
+        finally:
+            os.close(fd)
+            if self.stream is not None:
+                self.stream.synchronize()  # NOTE: before `dest` can be freed or used on another stream
+        if h is not None and h.hexdigest() != f.sha256:
+            raise MlacError(f"{f.rel}: sha256 does not match the manifest (file modified or corrupt)")
+        if f.finish is None:
+            return _SKIPPED
+        return f.finish(dest if dest.device == self.device else dest.to(self.device))
+
+    def _destination(self, size: int) -> torch.Tensor:
+        """The file's bytes: on the device, or on the host for a device that is neither cpu nor cuda."""
+        on = self.device if self.device.type in ("cpu", "cuda") else torch.device("cpu")
+        dest = torch.empty(size, dtype=torch.uint8, device=on)
+        if self.stream is not None:  # NOTE: the memory may still be in use by work queued before it was freed
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return dest
+
+    def _chunk(self, fd: int, rel: str, offset: int, n: int, dest: torch.Tensor | None, h) -> None:
+        if dest is not None and not self.cuda:
+            host = dest[offset : offset + n]  # cpu: read in place
+        else:
+            host = self._staging(n)
+        view = memoryview(host.numpy())
+        read_exact(fd, view, offset, rel)
+        if dest is not None and self.cuda:
+            with torch.cuda.stream(self.stream):
+                dest[offset : offset + n].copy_(host, non_blocking=True)
+                self.events[self.turn].record(self.stream)
+            self.turn ^= 1
+        if h is not None:
+            h.update(view)  # the bytes just copied; the copy reads them too, nothing writes them
+
+    def _staging(self, n: int) -> torch.Tensor:
+        """A host buffer of n bytes whose last copy (if any) has completed."""
+        if not self.scratch:
+            pin = self.cuda
+            self.scratch = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        if self.cuda:
+            self.events[self.turn].synchronize()
+        return self.scratch[self.turn][:n]
+
+
+_SKIPPED = object()  # a file only hashed, or left when another thread failed
