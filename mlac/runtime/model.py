@@ -19,17 +19,18 @@ head all-gathers the logits. With tp == 1 these are identities.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mlac.config import ModelConfig
+from mlac.kernels.activation import silu_mul
 from mlac.kernels.head_bmm import head_bmm
 from mlac.kernels.mla_decode import mla_decode
+from mlac.kernels.mla_prep import mla_prep
 from mlac.kernels.moe import fused_moe
-from mlac.kernels.moe_routing import route
+from mlac.kernels.moe_routing import gate_route
 from mlac.runtime.attention_forms import extend_absorbed, extend_mha, prefer_absorbed
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
-from mlac.runtime.layers import Linear, RMSNorm, RotaryEmbedding, Weights, apply_rope, take_weight
+from mlac.runtime.layers import Linear, RMSNorm, RotaryEmbedding, Weights, take_weight
 from mlac.runtime.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -68,18 +69,19 @@ class MLAttention(nn.Module):
         self.wo = RowParallelLinear(weights, f"{p}.wo", ctx)  # [D, H_local·v] -> all-reduce
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> q_nope [T, H_local, nope], roped q_rope [T, H_local, R], cache entry [T, C + R]."""
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q_nope [T, H_local, nope], roped q_rope [T, H_local, R]; writes each token's
+        cache entry kv_norm(latent) ‖ rope(k_rope) [C + R] (one fused launch: mla_prep)."""
         if self.q_lora is not None:
-            q_a, kv_a, k_rope = self.w_qkv_a(x).split([self.q_lora, self.kv_lora, self.rope], dim=-1)
-            q = self.wq_b(self.q_norm(q_a))
+            qkv = self.w_qkv_a(x)  # [T, q_lora + C + R]
+            q, kv = self.wq_b(self.q_norm(qkv[:, : self.q_lora])), qkv[:, self.q_lora :]
         else:
-            q = self.wq(x)
-            kv_a, k_rope = self.w_kv_a(x).split([self.kv_lora, self.rope], dim=-1)
-        q_nope, q_rope = q.view(x.shape[0], self.n_local_heads, -1).split([self.nope, self.rope], dim=-1)
-        latent = torch.cat([self.kv_norm(kv_a), apply_rope(k_rope, cos, sin)], dim=-1)
-        return q_nope, apply_rope(q_rope, cos, sin), latent
+            q, kv = self.wq(x), self.w_kv_a(x)  # kv [T, C + R]: latent ‖ k_rope
+        q = q.view(x.shape[0], self.n_local_heads, self.nope + self.rope)
+        pool, scale = cache.layers[self.layer], cache.kv_scale(self.layer)
+        mla_prep(q, kv, cos, sin, self.kv_norm.weight, self.kv_norm.eps, pool, batch.slots, scale)
+        return q[..., : self.nope], q[..., self.nope :]
 
     def forward(
         self,
@@ -89,8 +91,7 @@ class MLAttention(nn.Module):
         batch: ForwardBatch,
         cache: PagedKVCache,
     ) -> torch.Tensor:  # [T, D] -> [T, D]
-        q_nope, q_rope, latent = self.project(x, cos, sin)
-        cache.write(self.layer, batch.slots, latent)
+        q_nope, q_rope = self.project(x, cos, sin, batch, cache)
         if batch.is_decode:
             o = self.decode(q_nope, q_rope, batch, cache)
         else:
@@ -132,8 +133,7 @@ class MLP(nn.Module):
         self.w2 = RowParallelLinear(weights, f"{prefix}.w2", ctx, reduce)  # [D, I_local]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)  # [T, I_local] each
-        return self.w2(F.silu(gate) * up)
+        return self.w2(silu_mul(self.w13(x)))  # w13(x) [T, 2I_local]: gate ‖ up
 
 
 class MoE(nn.Module):
@@ -162,9 +162,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         c = self.config
-        logits = x.float() @ self.gate.float().T  # [T, E]
-        weights, ids = route(
-            logits,
+        weights, ids = gate_route(  # float32 router logits [T, E], routed: [T, top_k] each
+            x,
+            self.gate,
             top_k=c.num_experts_per_tok,
             method=c.topk_method,
             scoring=c.scoring_func,
@@ -174,11 +174,11 @@ class MoE(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
             bias=self.gate_bias,
         )
-        local_ids = ids - self.first_expert  # ids of other ranks' experts fall outside [0, E_local)
-        y = fused_moe(x, self.w13, self.w2, weights, local_ids, self.w13_scale, self.w2_scale)  # partial
-        if self.shared is not None:
-            y = y + self.shared(x)  # partial
-        return all_reduce(y, self.ctx)
+        if self.first_expert:
+            ids = ids - self.first_expert  # ids of other ranks' experts fall outside [0, E_local)
+        shared = self.shared(x) if self.shared is not None else None  # partial
+        y = fused_moe(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, shared_out=shared)
+        return all_reduce(y, self.ctx)  # routed + shared partials, reduced once
 
 
 class DecoderLayer(nn.Module):
