@@ -196,10 +196,12 @@ def profile_decode(engine: Engine, batch: int, input_len: int, steps: int = 8) -
         sched.abort_all()
     gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
-    names: dict[str, int] = {}
+    names: dict[str, list[float]] = {}  # name -> [launches, GPU µs]
     for e in kernels:
-        names[e.name] = names.get(e.name, 0) + 1
-    top = sorted(names.items(), key=lambda kv: -kv[1])[:25]
+        n = names.setdefault(e.name[:100], [0, 0.0])
+        n[0] += 1
+        n[1] += e.device_time
+    top = sorted(names.items(), key=lambda kv: -kv[1][1])[:25]
     return {
         "batch": batch,
         "steps": steps,
@@ -207,5 +209,7 @@ def profile_decode(engine: Engine, batch: int, input_len: int, steps: int = 8) -
         "copies_per_step": (len(gpu) - len(kernels)) / steps,
         "gpu_kernel_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
         "wall_ms_per_step": 1e3 * wall / steps,
-        "kernels_by_name_per_step": {n: c / steps for n, c in top},
+        "kernels_by_gpu_time": [
+            {"name": n, "launches_per_step": c / steps, "gpu_us_per_step": us / steps} for n, (c, us) in top
+        ],
     }

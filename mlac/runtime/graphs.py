@@ -4,7 +4,7 @@ A decode step launches hundreds of small kernels; launched one by one from Pytho
 more than the GPU work itself. `DecodeGraphs` captures the whole step (model forward and LM head)
 once per bucket of the ladder (passes/buckets.py), largest first, all in one memory pool, over
 static input buffers. A decode batch of B sequences runs the graph of the smallest bucket >= B:
-its inputs are copied into the buffers (two host-to-device copies), the graph is replayed, and
+its inputs are copied into the buffers (three host-to-device copies), the graph is replayed, and
 the first B rows of the static logits are the result.
 
 Padding rows (B..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
@@ -40,11 +40,13 @@ class DecodeInputs:
         self.max_bs, self.max_blocks = max_bs, max_blocks
         self.block_size, self.scratch = cache.block_size, cache.scratch_block
         pin = device.type == "cuda"
-        # int64 rows: token ids, positions, slots; int32: seq_len ‖ block table, one row per sequence
+        # int64 rows: token ids, positions, slots; int32: sequence lengths; the block tables
         self.host64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(max_bs, 1 + max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.host_lens = torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(max_bs, 1 + max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if pin else None  # the last host-to-device copy
         self.fill(Step.of([[0]], [0], [[self.scratch]]), max_bs)  # every row a padding row
@@ -55,7 +57,7 @@ class DecodeInputs:
         none = torch.zeros(0, dtype=torch.int64, device=ids.device)
         return ids, ForwardBatch(
             is_decode=True, q_lens=(1,) * bs, ctx_lens=(0,) * bs, positions=positions, slots=slots,
-            block_tables=self.dev32[:bs, 1:], seq_lens=self.dev32[:bs, 0],
+            block_tables=self.tables[:bs], seq_lens=self.seq_lens[:bs],
             cu_seqlens_q=self.cu_seqlens[: bs + 1], cu_seqlens_kv=self.cu_seqlens[: bs + 1], kv_slots=none,
         )  # fmt: skip
 
@@ -73,12 +75,14 @@ class DecodeInputs:
         self.host64[:, :bs] = torch.tensor(
             [list(step.token_ids) + [0] * pad, ctx + [0] * pad, slots + [self.scratch * size] * pad]
         )
-        rows = [[c + 1, *t] + [0] * (width - len(t)) for c, t in zip(ctx, step.block_tables, strict=True)]
-        rows += [[1, self.scratch] + [0] * (width - 1)] * pad
-        self.host32[:bs, : 1 + width] = torch.tensor(rows, dtype=torch.int32)
+        self.host_lens[:bs] = torch.tensor([c + 1 for c in ctx] + [1] * pad, dtype=torch.int32)
+        rows = [list(t) + [0] * (width - len(t)) for t in step.block_tables]
+        rows += [[self.scratch] + [0] * (width - 1)] * pad
+        self.host_tables[:bs, :width] = torch.tensor(rows, dtype=torch.int32)
         # Columns past `width` keep stale block ids: the kernels read only the blocks of seq_len.
         self.dev64[:, :bs].copy_(self.host64[:, :bs], non_blocking=True)
-        self.dev32[:bs, : 1 + width].copy_(self.host32[:bs, : 1 + width], non_blocking=True)
+        self.seq_lens[:bs].copy_(self.host_lens[:bs], non_blocking=True)
+        self.tables[:bs, :width].copy_(self.host_tables[:bs, :width], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
