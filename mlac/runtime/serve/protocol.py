@@ -123,7 +123,9 @@ def check_stop(stop: str | list[str] | None) -> None:
     """At most MAX_STOP_STRINGS stop strings of MAX_STOP_CHARS characters in all."""
     stops = [stop] if isinstance(stop, str) else stop or []
     if len(stops) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"stop: {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+        raise ApiError(
+            400, f"stop: {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop"
+        )
     chars = sum(len(s) for s in stops)
     if chars > MAX_STOP_CHARS:
         raise ApiError(
