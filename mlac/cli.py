@@ -359,6 +359,13 @@ def _device(device: str | None) -> str:
 @click.option(
     "--max-body-bytes", type=int, default=4 << 20, show_default=True, help="Largest request body accepted."
 )
+@click.option(
+    "--request-body-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds a client has to send a request body (408 and the connection closed past it).",
+)
 @click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes of a multi-rank artifact.")
 @click.option(
     "--node-rank", type=int, default=0, show_default=True, help="This node's rank (node 0 serves HTTP)."
@@ -377,8 +384,8 @@ def _device(device: str | None) -> str:
 @click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
-          num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, nnodes, node_rank, master_addr,
-          master_port, warmup, log_level, no_verify):  # fmt: skip
+          num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, request_body_timeout, nnodes,
+          node_rank, master_addr, master_port, warmup, log_level, no_verify):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
 
     \b
@@ -389,8 +396,8 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
     from mlac.runtime.dist import launches_rank_0
     from mlac.runtime.runner import LaunchSpec
     from mlac.runtime.scheduler import SchedulerConfig
-    from mlac.runtime.server import ServerConfig, api_key_from_env, load_engine
-    from mlac.runtime.server import serve as run_server
+    from mlac.runtime.serve import ServerConfig, api_key_from_env, load_engine
+    from mlac.runtime.serve import serve as run_server
 
     if num_blocks is not None and kv_cache_bytes is not None:
         raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
@@ -400,7 +407,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size),
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
-        warmup=warmup, verify=not no_verify,
+        request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify,
     )  # fmt: skip
     if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
         load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process

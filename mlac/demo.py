@@ -44,7 +44,7 @@ def run_demo(
 def _run(work: Path, tp: int, prompt: str, max_tokens: int, echo: Callable[[str], None]) -> DemoResult:
     from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import compile_checkpoint
-    from mlac.runtime.server import ServerConfig, ServerThread
+    from mlac.runtime.serve import ServerConfig, ServerThread
     from mlac.synth import synthesize
 
     work.mkdir(parents=True, exist_ok=True)

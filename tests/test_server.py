@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (server.py) driven over HTTP: the official `openai` client, raw
+"""The OpenAI-compatible server (mlac/runtime/serve/) driven over HTTP: the official `openai` client, raw
 httpx for malformed requests and disconnects, Prometheus metrics, and `mlac serve` / `mlac demo`
 as subprocess / CLI.
 
@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import mlac
 from mlac.runtime.engine import Engine
-from mlac.runtime.server import ServerConfig, ServerThread, load_engine
+from mlac.runtime.serve import ServerConfig, ServerThread, load_engine
 
 KEY = "sk-test"
 MODEL = "tiny"
@@ -465,8 +465,8 @@ def free_port() -> int:
 
 
 def test_mlac_serve_drains_on_sigterm(art):
-    """`mlac serve` as a subprocess: SIGTERM lets a short request finish, cuts a long one at
-    --drain-timeout, refuses new connections, and exits 0."""
+    """`mlac serve` as a subprocess: SIGTERM lets a short request finish, ends a long one at
+    --drain-timeout with an error event and [DONE], refuses new connections, and exits 0."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(mlac.__file__).parents[1]), "MLAC_API_KEY": KEY}
     cmd = [
@@ -542,8 +542,12 @@ def test_mlac_serve_drains_on_sigterm(art):
             short[-1] == "data: [DONE]"
             and json.loads(short[-2][6:])["choices"][0]["finish_reason"] == "length"
         )
+        # the long one is cut at --drain-timeout, far from its 4000 tokens: an error event, then [DONE]
         long = results["long"]
-        assert long and long[-1] != "data: [DONE]"  # cut at --drain-timeout, far from its 4000 tokens
+        assert long[-1] == "data: [DONE]" and len(long) < 4000
+        err = json.loads(long[-2][6:])["error"]
+        assert (err["code"], err["type"]) == ("draining", "server_error")
+        assert "drain timeout" in err["message"]
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health")
     finally:

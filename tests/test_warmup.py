@@ -35,7 +35,7 @@ def test_warmup_skips_what_the_cache_cannot_hold(artifact):
 
 
 def test_server_load_warms_up_unless_told_not_to(artifact, monkeypatch):
-    from mlac.runtime.server import ServerConfig, load_engine
+    from mlac.runtime.serve import ServerConfig, load_engine
 
     calls = []
     monkeypatch.setattr(Engine, "warmup", lambda self, force=False: calls.append(self) or [(1, 4)])

@@ -1,0 +1,40 @@
+"""OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn), one concern per module:
+
+    config.py     ServerConfig: everything `mlac serve` is told, and the request limits
+    protocol.py   request bodies (pydantic, strict types), their validation, OpenAI's error shape
+    body.py       reading a request body: size, read deadline, JSON nesting depth, valid UTF-8
+    loop.py       the engine thread (EngineLoop) and its asyncio bridge (Submission)
+    render.py     OpenAI response bodies and server-sent events
+    app.py        the routes; create_app wires them into a FastAPI app
+    launch.py     loading the engine, uvicorn, signals and the drain; ServerThread for tests
+    metrics.py    the Prometheus metrics of /metrics
+
+Routes:
+
+    GET  /health                  200 once the model is loaded (and warmed up); 503 while loading or draining
+    GET  /metrics                 Prometheus text format (metrics.py)
+    GET  /v1/models               the served model
+    POST /v1/completions          prompt (string, token ids, or a list of those) -> text
+    POST /v1/chat/completions     messages (rendered with the artifact's chat template) -> reply
+
+Threads. uvicorn's event loop runs the HTTP handlers and never runs torch. ONE engine thread
+(EngineLoop) loads the model, then runs scheduler steps for as long as there is work. A handler
+tokenizes in a worker thread, submits its Sequences through the loop's inbox (a queue.Queue), and
+awaits their Deltas on an asyncio.Queue that the engine thread fills through
+`call_soon_threadsafe`. A handler whose client disconnects puts a cancel into the same inbox; the
+scheduler frees the request's blocks at its next step.
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 invalid parameter,
+a prompt too long for the context or a request that can never fit; 401 missing or wrong API key;
+404 unknown model or route; 408 a body not received within the read deadline; 413 body too large;
+503 loading, draining or queue full.
+
+SIGTERM (or Ctrl-C): /health turns 503, the listening socket closes, running requests get up to
+`drain_timeout` seconds to finish; then the rest end with an error (a stream: an error event and
+`data: [DONE]`) and the process exits.
+"""
+
+from mlac.runtime.serve.config import ServerConfig, api_key_from_env
+from mlac.runtime.serve.launch import ServerThread, load_engine, serve
+
+__all__ = ["ServerConfig", "ServerThread", "api_key_from_env", "load_engine", "serve"]

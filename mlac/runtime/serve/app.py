@@ -1,0 +1,239 @@
+"""The routes (Api) and `create_app`, which wires them into a FastAPI app.
+
+Each handler: read and validate the body (body.py, protocol.py), check the server may take it
+(`_admit`), tokenize and build Sequences in a worker thread, submit them (loop.Submission), and
+answer with one JSON body or a stream of server-sent events (render.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlac.errors import MlacError
+from mlac.runtime.scheduler import Sequence
+from mlac.runtime.serve.body import read_json
+from mlac.runtime.serve.config import ServerConfig
+from mlac.runtime.serve.loop import EngineLoop, Submission
+from mlac.runtime.serve.metrics import Metrics
+from mlac.runtime.serve.protocol import (
+    ApiError,
+    Body,
+    ChatBody,
+    CompletionBody,
+    message_text,
+    new_sequence,
+    parse_body,
+    prompt_list,
+)
+from mlac.runtime.serve.render import ChatRender, CompletionRender, Render, sse
+
+
+@dataclass
+class ServerState:
+    """What the routes and the launcher share. `draining` turns /health 503 and refuses requests."""
+
+    config: ServerConfig
+    loop: EngineLoop
+    metrics: Metrics
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(config: ServerConfig, load: Callable[[], Any]) -> FastAPI:
+    """The FastAPI app over the engine that `load()` returns. Its lifespan starts the engine thread
+    (the model loads in the background: /health says when it is ready) and stops it at shutdown."""
+    metrics = Metrics()
+    state = ServerState(config, EngineLoop(load, metrics, config.max_unfinished), metrics)
+    api = Api(state)
+    app = FastAPI(
+        title="mlac", lifespan=_lifespan(state.loop), docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.mlac = state
+    app.add_exception_handler(ApiError, api.api_error)
+    app.add_exception_handler(StarletteHTTPException, api.http_error)
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api.check_key)])
+    v1.add_api_route("/models", api.models, methods=["GET"])
+    v1.add_api_route("/completions", api.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", api.chat, methods=["POST"])
+    app.include_router(v1)
+    return app
+
+
+def _lifespan(loop: EngineLoop):
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        yield
+        await asyncio.to_thread(loop.stop)
+
+    return lifespan
+
+
+class Api:
+    """The route handlers over one ServerState."""
+
+    def __init__(self, state: ServerState):
+        self.state, self.config, self.loop = state, state.config, state.loop
+
+    # ---- errors and auth ----
+
+    async def api_error(self, request: Request, e: ApiError):
+        if request.url.path.startswith("/v1"):
+            self._count(request, e.status)
+        headers = {**e.headers, **({"Retry-After": "1"} if e.status == 503 else {})}
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
+
+    async def http_error(self, request: Request, e: StarletteHTTPException):
+        err = ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    async def check_key(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
+
+    def _count(self, request: Request, code: int) -> None:
+        route = request.scope.get("route")
+        self.state.metrics.requests.labels(getattr(route, "path", "other"), str(code)).inc()
+
+    # ---- open routes ----
+
+    async def health(self):
+        loop, draining = self.loop, self.state.draining
+        if loop.load_error is not None:
+            return JSONResponse({"status": "failed", "error": str(loop.load_error)}, status_code=503)
+        if not loop.ready or draining:
+            return JSONResponse({"status": "draining" if draining else "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    async def metrics(self):
+        m = self.state.metrics
+        return Response(m.render(), media_type=m.content_type)
+
+    # ---- /v1 ----
+
+    async def models(self, request: Request):
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.state.created,
+            "owned_by": "mlac",
+        }
+        if self.loop.engine is not None:
+            card["max_model_len"] = self.loop.engine.max_context
+        self._count(request, 200)
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, request: Request):
+        body: CompletionBody = parse_body(CompletionBody, await self._read(request))
+        engine = self._admit(body)
+        prompts = prompt_list(body.prompt, self.config.max_unfinished)
+
+        def make() -> list[Sequence]:
+            ids = [engine.encode_prompt(p) for p in prompts]
+            return [
+                new_sequence(engine, i, body, body.max_tokens or 16, body.logprobs, "prompt") for i in ids
+            ]
+
+        sub = Submission(self.loop, await _in_thread(make))
+        self._count(request, 200)
+        render = CompletionRender(
+            engine.tokenizer, self.config.model_name, len(prompts), body.logprobs is not None
+        )
+        return await _respond(request, body, sub, render)
+
+    async def chat(self, request: Request):
+        body: ChatBody = parse_body(ChatBody, await self._read(request))
+        engine = self._admit(body)
+        if engine.tokenizer is None or engine.tokenizer.chat_template is None:
+            raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+        messages = [
+            {**m.model_dump(exclude_none=True), "content": message_text(m.content)} for m in body.messages
+        ]
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+
+        def make() -> list[Sequence]:
+            ids = _encode_chat(engine, messages)
+            max_tokens = (
+                body.max_completion_tokens or body.max_tokens or max(1, engine.max_context - len(ids))
+            )
+            return [new_sequence(engine, ids, body, max_tokens, logprobs, "messages")]
+
+        sub = Submission(self.loop, await _in_thread(make))
+        self._count(request, 200)
+        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs)
+        return await _respond(request, body, sub, render)
+
+    async def _read(self, request: Request) -> dict[str, Any]:
+        return await read_json(request, self.config.max_body_bytes, self.config.request_body_timeout)
+
+    def _admit(self, body: Body):
+        """The engine, once the request may run: the model is loaded, not draining, model matches."""
+        if body.model != self.config.model_name:
+            raise ApiError(
+                404, f"the model '{body.model}' does not exist", param="model", code="model_not_found"
+            )
+        if self.state.draining:
+            raise ApiError(503, "server is shutting down", type="server_error", code="draining")
+        if not self.loop.ready:
+            raise ApiError(
+                503, "model is loading; retry when /health is ok", type="server_error", code="loading"
+            )
+        return self.loop.engine
+
+
+def _encode_chat(engine, messages: list[dict]) -> list[int]:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return engine.tokenizer.encode_chat(messages)
+    except TemplateError as e:
+        raise ApiError(400, f"chat template refused the messages: {e}", param="messages") from None
+
+
+async def _in_thread(fn: Callable[[], list[Sequence]]) -> list[Sequence]:
+    """Tokenize and build Sequences off the event loop; engine refusals become 400s."""
+    try:
+        return await asyncio.to_thread(fn)
+    except MlacError as e:
+        raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
+
+
+async def _respond(request: Request, body: Body, sub: Submission, render: Render):
+    """A stream of server-sent events, or (not streaming) one JSON body once every choice finished."""
+    if body.stream:
+        return StreamingResponse(sse(sub, render, body.include_usage), media_type="text/event-stream")
+    watcher = asyncio.create_task(_watch_disconnect(request, sub))
+    try:
+        async for index, delta in sub.deltas():
+            render.add(index, delta)
+    finally:
+        watcher.cancel()
+        sub.cancel_unfinished()
+    return JSONResponse(render.body())
+
+
+async def _watch_disconnect(request: Request, sub: Submission) -> None:
+    """Cancel the submission's requests when the client goes away (non-streaming responses)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            sub.cancel_unfinished()
+            return

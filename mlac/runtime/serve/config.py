@@ -1,0 +1,63 @@
+"""ServerConfig: everything `mlac serve` is told, checked once, frozen."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mlac.errors import MlacError
+from mlac.runtime.scheduler import SchedulerConfig
+
+if TYPE_CHECKING:
+    from mlac.runtime.runner import LaunchSpec
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_REQUEST_BODY_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `mlac serve` is told. `api_key` None: no auth (the default bind is 127.0.0.1)."""
+
+    artifact: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_queue: int = 256  # requests waiting beyond max_running_requests before 503
+    drain_timeout: float = 30.0
+    served_model_name: str | None = None  # default: the artifact directory's name
+    launch: LaunchSpec | None = None  # how the ranks of a multi-node artifact meet
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT  # seconds to receive a whole body
+    verify: bool = True
+    warmup: bool = True  # run the step shapes once before /health turns ready (CUDA: Triton JIT)
+
+    def __post_init__(self) -> None:
+        lows = (("max_queue", 0), ("drain_timeout", 0), ("max_body_bytes", 1))
+        for name, low in lows:
+            if getattr(self, name) < low:
+                raise MlacError(f"{name}={getattr(self, name)!r}: must be >= {low}")
+        if not 0 <= self.port <= 65535:
+            raise MlacError(f"port={self.port!r}: must be in [0, 65535]")
+        if not self.request_body_timeout > 0:
+            raise MlacError(f"request_body_timeout={self.request_body_timeout!r}: must be > 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.artifact).resolve().name
+
+    @property
+    def max_unfinished(self) -> int:
+        """Most engine requests queued or running at once; a request with more prompts never fits."""
+        return self.scheduler.max_running_requests + self.max_queue
+
+
+def api_key_from_env(given: str | None) -> str | None:
+    return given if given is not None else (os.environ.get("MLAC_API_KEY") or None)

@@ -1,0 +1,173 @@
+"""Running the server: load the engine, run uvicorn, drain on SIGTERM / Ctrl-C.
+
+The drain: /health turns 503 and new requests are refused; uvicorn closes the listening socket
+and waits for open connections. Running requests get `drain_timeout` seconds to finish; then
+`EngineLoop.fail_all` ends the rest with an error (a stream: an error event, then
+`data: [DONE]`), and uvicorn waits DRAIN_GRACE more seconds for those answers to go out before
+it cuts what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from mlac.errors import MlacError
+from mlac.runtime.serve.app import ServerState, create_app
+from mlac.runtime.serve.config import ServerConfig
+
+log = logging.getLogger("mlac.server")
+
+DRAIN_GRACE = 5.0  # seconds after the drain timeout for the error answers to be written
+
+
+def load_engine(config: ServerConfig):
+    """Engine.from_artifact as the config says (runs on the engine thread)."""
+    import torch
+
+    from mlac.runtime.engine import Engine
+
+    engine = Engine.from_artifact(
+        config.artifact, device=config.device, dtype=getattr(torch, config.dtype), verify=config.verify,
+        num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes, launch=config.launch,
+        scheduler_config=config.scheduler,
+    )  # fmt: skip
+    if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
+        start = time.monotonic()
+        try:
+            shapes = engine.warmup()
+        except BaseException:
+            engine.close()
+            raise
+        if shapes:
+            log.info("warm-up: %d batch shapes in %.1f s", len(shapes), time.monotonic() - start)
+    return engine
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with mlac's drain (module docstring). SIGTERM / SIGINT start it;
+    a second Ctrl-C still forces the exit."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._cut: threading.Timer | None = None
+
+    def begin_drain(self) -> None:
+        """Start draining (any thread, once); the caller then sets `should_exit`."""
+        state = self.state
+        if state.draining:
+            return
+        timeout = state.config.drain_timeout
+        log.info("draining: up to %.0f s for %d running requests", timeout, state.loop.num_unfinished)
+        state.draining = True
+        message = f"server shutting down: the drain timeout ({timeout:g} s) expired"
+        self._cut = threading.Timer(timeout, state.loop.fail_all, args=(message,))
+        self._cut.daemon = True
+        self._cut.start()
+
+    def handle_exit(self, sig, frame) -> None:
+        self.begin_drain()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if self._cut is not None:
+                self._cut.cancel()
+
+
+def make_server(
+    config: ServerConfig, log_level: str = "info", load: Callable[[], Any] | None = None
+) -> DrainingServer:
+    """A uvicorn server for the app over `load()` (default: load_engine). The engine thread's load
+    failure stops the server (serve() then reports it)."""
+    app = create_app(config, load or (lambda: load_engine(config)))
+    state: ServerState = app.state.mlac
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
+                               timeout_graceful_shutdown=config.drain_timeout + DRAIN_GRACE)  # fmt: skip
+    server = DrainingServer(uv_config, state)
+
+    def stop_on_load_error() -> None:
+        server.should_exit = True
+
+    state.loop.on_load_error = stop_on_load_error
+    return server
+
+
+def serve(config: ServerConfig, log_level: str = "info") -> None:
+    """Run the server until SIGTERM / Ctrl-C (blocking). A model that fails to load is an MlacError."""
+    from mlac.artifact import Manifest
+
+    Manifest.load(config.artifact)  # a bad artifact fails here, before the port is opened
+    server = make_server(config, log_level)
+    # uvicorn re-raises the signal that stopped it once it has drained; a drained server exits 0
+    drained = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in drained.items():
+            signal.signal(sig, handler)
+    error = server.state.loop.load_error
+    if isinstance(error, MlacError):
+        raise error
+    if error is not None:
+        raise MlacError(f"loading {config.artifact} failed: {error!r}")
+
+
+class ServerThread:
+    """A server in a background thread on a free port of `config.host` (tests, the demo).
+
+    with ServerThread(config) as srv:   # returns once /health is ok
+        httpx.get(srv.url + "/health")
+    """
+
+    def __init__(
+        self, config: ServerConfig, log_level: str = "warning", load: Callable[[], Any] | None = None
+    ):
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((config.host, 0))
+        self.port = self._sock.getsockname()[1]
+        self.server = make_server(config, log_level, load)
+        self.state: ServerState = self.server.state
+        self.url = f"http://{config.host}:{self.port}"
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def start(self, timeout: float = 300.0, wait_ready: bool = True) -> ServerThread:
+        """Start, and wait until the port answers and (wait_ready) the model is loaded; MlacError
+        if loading fails or takes longer than `timeout`."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while wait_ready and not self.state.loop.ready:
+            if self.state.loop.load_error is not None:
+                self.stop()
+                raise MlacError(f"loading failed: {self.state.loop.load_error}")
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                self.stop()
+                raise MlacError("server did not become ready")
+            time.sleep(0.05)
+        while not self.server.started and self._thread.is_alive():
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Drain as SIGTERM does, and wait for the server thread to end."""
+        self.server.begin_drain()
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,256 @@
+"""The engine's one thread (EngineLoop) and its bridge to asyncio handlers (Submission).
+
+Other threads never touch the scheduler: they put ("add", seq, sink), ("cancel", seq_id),
+("fail", message) or ("stop",) into a queue.Queue, and the engine thread applies them between
+steps. Each Delta (or an exception) goes to the request's sink, called on the engine thread; a
+Submission's sink hands it to the handler's event loop with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from mlac.errors import MlacError
+from mlac.runtime.scheduler import Delta, Sequence
+from mlac.runtime.serve.metrics import Metrics
+from mlac.runtime.serve.protocol import ApiError
+
+log = logging.getLogger("mlac.server")
+
+Sink = Callable[[Delta | BaseException], None]
+
+
+class QueueFull(MlacError):
+    """More requests would be queued or running than the server allows."""
+
+
+class ShuttingDown(MlacError):
+    """The server is draining and its drain timeout expired, or it has stopped."""
+
+
+class EngineLoop:
+    """The engine's one thread: loads the model, then runs scheduler steps. Other threads
+    `submit` Sequences and `cancel` them through a thread-safe inbox; each Delta (or an
+    exception, if a step fails) goes to the request's sink, called on the engine thread."""
+
+    def __init__(self, load: Callable[[], Any], metrics: Metrics, max_unfinished: int):
+        self._load = load
+        self.metrics = metrics
+        self.max_unfinished = max_unfinished
+        self.engine = None
+        self.scheduler = None
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[], None] | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._unfinished = 0  # submitted, not yet finished (guarded by _lock)
+        self._refusing: str | None = None  # set by fail_all: why new requests are refused
+        self._sinks: dict[int, Sink] = {}
+        self._last_token: dict[int, float] = {}
+        self._thread = threading.Thread(target=self._main, name="mlac-engine", daemon=True)
+
+    # ---- any thread ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._unfinished
+
+    def submit(self, seqs: list[Sequence], sinks: list[Sink]) -> None:
+        """Queue requests for the engine (all or none); QueueFull past max_unfinished,
+        ShuttingDown after fail_all."""
+        with self._lock:
+            if self._refusing is not None:
+                raise ShuttingDown(self._refusing)
+            if self._unfinished + len(seqs) > self.max_unfinished:
+                raise QueueFull(f"server busy: {self._unfinished} requests queued or running; retry later")
+            self._unfinished += len(seqs)
+        for seq, sink in zip(seqs, sinks, strict=True):
+            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+            self._inbox.put(("add", seq, sink))
+
+    def cancel(self, seq_id: int) -> None:
+        self._inbox.put(("cancel", seq_id))
+
+    def fail_all(self, message: str) -> None:
+        """End every unfinished request with ShuttingDown(message) and refuse new ones (the
+        drain timeout expired): each handler answers an error instead of being cut off."""
+        with self._lock:
+            self._refusing = message
+        self._inbox.put(("fail", message))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is left, close the engine, end the thread."""
+        self._inbox.put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the engine thread ----
+
+    def _main(self) -> None:
+        try:
+            self.engine = self._load()
+            self.scheduler = self.engine.scheduler()
+        except BaseException as e:  # noqa: BLE001  (reported by /health and by serve())
+            log.error("loading the model failed: %s", e)
+            self.load_error = e
+            if self.on_load_error is not None:
+                self.on_load_error()
+            return
+        self.metrics.kv_blocks.set(self.engine.cache.num_blocks)
+        self._ready.set()
+        log.info("model loaded: ready")
+        try:
+            while self._take_inbox(block=not self.scheduler.has_unfinished):
+                if self.scheduler.has_unfinished:
+                    self._step()
+        finally:
+            for seq in self.scheduler.abort_all():
+                self._deliver(seq, time.monotonic())
+            self._refuse_inbox()
+            self.engine.close()
+
+    def _refuse_inbox(self) -> None:
+        """At shutdown: requests submitted but never added get an error instead of silence."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                self._sinks[item[1].seq_id] = item[2]
+                self._finish(item[1].seq_id, ShuttingDown("server shutting down"))
+
+    def _take_inbox(self, block: bool) -> bool:
+        """Apply queued submissions and cancellations; False once asked to stop."""
+        item = self._inbox.get() if block else None
+        while True:
+            if item is not None:
+                if item[0] == "stop":
+                    return False
+                self._apply(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, item: tuple) -> None:
+        if item[0] == "add":
+            _, seq, sink = item
+            self._sinks[seq.seq_id] = sink
+            try:
+                self.scheduler.add(seq)
+            except MlacError as e:
+                self._finish(seq.seq_id, e)
+        elif item[0] == "cancel" and item[1] in self._sinks:
+            self.scheduler.abort(item[1])
+        elif item[0] == "fail":
+            for seq in self.scheduler.abort_all():
+                self._finish(seq.seq_id, ShuttingDown(item[1]))
+
+    def _step(self) -> None:
+        preempted = self.scheduler.num_preemptions
+        try:
+            news = self.scheduler.step()
+        except Exception as e:  # a failed step fails its requests, not the server
+            log.exception("engine step failed")
+            for seq in self.scheduler.abort_all():
+                self._finish(seq.seq_id, MlacError(f"engine step failed: {e}"))
+            return
+        now = time.monotonic()
+        for seq in news:
+            self._deliver(seq, now)
+        m, s = self.metrics, self.scheduler
+        m.preemptions.inc(s.num_preemptions - preempted)
+        m.running.set(s.num_running)
+        m.waiting.set(s.num_waiting)
+        m.kv_usage.set(self.engine.cache.usage)
+
+    def _deliver(self, seq: Sequence, now: float) -> None:
+        delta = seq.take_delta()
+        if delta.token_ids:
+            self.metrics.generation_tokens.inc(len(delta.token_ids))
+            prev = self._last_token.get(seq.seq_id)
+            if prev is None:
+                self.metrics.ttft.observe(now - seq.arrival)
+            else:
+                self.metrics.itl.observe((now - prev) / len(delta.token_ids))
+            self._last_token[seq.seq_id] = now
+        sink = self._sinks.get(seq.seq_id)
+        if sink is not None and (delta.text or delta.token_ids or delta.finish_reason):
+            _call(sink, delta)
+        if seq.finished:
+            self.metrics.finished.labels(seq.finish_reason).inc()
+            self.metrics.e2e.observe(now - seq.arrival)
+            self._finish(seq.seq_id, None)
+
+    def _finish(self, seq_id: int, error: BaseException | None) -> None:
+        sink = self._sinks.pop(seq_id, None)
+        self._last_token.pop(seq_id, None)
+        if sink is None:
+            return
+        if error is not None:
+            _call(sink, error)
+        with self._lock:
+            self._unfinished -= 1
+
+
+def _call(sink: Sink, item: Delta | BaseException) -> None:
+    try:
+        sink(item)
+    except Exception:  # noqa: BLE001  (the handler's event loop is gone: nobody is listening)
+        log.debug("dropped a delta for a request whose handler is gone")
+
+
+class Submission:
+    """The engine requests of one HTTP call and their deltas, on the handler's event loop.
+    Construct it inside the handler: it submits at once (ApiError 503 if the loop refuses)."""
+
+    def __init__(self, loop: EngineLoop, seqs: list[Sequence]):
+        self.loop, self.seqs = loop, seqs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done: set[int] = set()
+        aio = asyncio.get_running_loop()
+        sinks = [self._sink(aio, i) for i in range(len(seqs))]
+        try:
+            loop.submit(seqs, sinks)
+        except QueueFull as e:
+            raise ApiError(503, str(e), type="server_error", code="queue_full") from None
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), type="server_error", code="draining") from None
+
+    def _sink(self, aio: asyncio.AbstractEventLoop, index: int) -> Sink:
+        return lambda item: aio.call_soon_threadsafe(self.queue.put_nowait, (index, item))
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, Delta) until every request finished; an engine failure raises ApiError
+        (503 when the server is shutting down, 500 when a step failed)."""
+        while len(self.done) < len(self.seqs):
+            index, item = await self.queue.get()
+            if isinstance(item, ShuttingDown):
+                self.done.add(index)
+                raise ApiError(503, str(item), type="server_error", code="draining")
+            if isinstance(item, BaseException):
+                self.done.add(index)
+                raise ApiError(500, str(item), type="server_error", code="engine_error")
+            if item.finish_reason is not None:
+                self.done.add(index)
+            yield index, item
+
+    def cancel_unfinished(self) -> None:
+        for i, seq in enumerate(self.seqs):
+            if i not in self.done:
+                self.loop.cancel(seq.seq_id)

@@ -1,0 +1,197 @@
+"""The OpenAI request bodies (pydantic, strict types) and their validation; OpenAI's error shape.
+
+Types are strict: `"max_tokens": "10"` or `"stream": "yes"` is a 400, not coerced (an int is
+still accepted where a float is expected). Limits that the models cannot state:
+
+    stop          at most MAX_STOP_STRINGS strings, MAX_STOP_CHARS characters in all
+    prompts       at most `max_unfinished` (--max-running-requests + --max-queue) in one request:
+                  more could never be admitted
+    prompt + max_tokens   within the engine's context
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mlac.runtime.sampling import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
+from mlac.runtime.scheduler import Sequence
+
+MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM has no limit; 300,000 of them slowed every request 5-7x
+MAX_STOP_CHARS = 8192  # over all stop strings of a request
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape, with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class Body(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=0, le=0)
+    frequency_penalty: float | None = Field(default=None, ge=0, le=0)
+    user: str | None = None
+    # extensions, as vLLM names them
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionBody(Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+
+UNSUPPORTED = {
+    "n": "only n=1 is supported",
+    "presence_penalty": "presence_penalty is not supported (only 0)",
+    "frequency_penalty": "frequency_penalty is not supported (only 0)",
+    "echo": "echo is not supported",
+    "best_of": "only best_of=1 is supported",
+    "suffix": "suffix is not supported",
+}
+
+
+def parse_body(model: type[Body], data: Any) -> Any:
+    """`data` (a parsed JSON object) as `model`; ApiError 400 naming the first bad field."""
+    try:
+        body = model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        top = str(err["loc"][0]) if err["loc"] else ""
+        message = UNSUPPORTED.get(top) or (f"{param}: {err['msg']}" if param else err["msg"])
+        raise ApiError(400, message, param=param) from None
+    for name in ("echo", "suffix"):
+        if getattr(body, name, None):
+            raise ApiError(400, UNSUPPORTED[name], param=name)
+    check_stop(body.stop)
+    return body
+
+
+def check_stop(stop: str | list[str] | None) -> None:
+    """At most MAX_STOP_STRINGS stop strings of MAX_STOP_CHARS characters in all."""
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(
+            400, f"stop: {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop"
+        )
+    chars = sum(len(s) for s in stops)
+    if chars > MAX_STOP_CHARS:
+        raise ApiError(
+            400, f"stop: {chars} characters in all; at most {MAX_STOP_CHARS} are allowed", param="stop"
+        )
+
+
+def sampling_params(body: Body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            stop=body.stop or (),
+            stop_token_ids=body.stop_token_ids or (),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except InvalidSamplingParams as e:
+        raise ApiError(400, str(e), param=e.param) from None
+
+
+def message_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's content as text: a string, or the text parts of a content list."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(
+                400, f"unsupported content part of type {part.get('type')!r}: only text", "messages"
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def prompt_list(prompt: str | list, limit: int) -> list[str | list[int]]:
+    """The prompts of a completion request (one choice each), at most `limit` of them."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    if len(prompt) > limit:
+        raise ApiError(
+            400,
+            f"prompt: {len(prompt)} prompts in one request; at most {limit} can be queued or running "
+            "at once (--max-running-requests + --max-queue)",
+            param="prompt",
+        )
+    return list(prompt)
+
+
+def new_sequence(
+    engine, ids: list[int], body: Body, max_tokens: int, logprobs: int | None, what: str
+) -> Sequence:
+    """The engine request for prompt `ids`; 400 if prompt + max_tokens exceed the context."""
+    ctx = engine.max_context
+    if len(ids) + max_tokens > ctx:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {ctx} tokens; you requested {len(ids) + max_tokens} "
+            f"({len(ids)} in the {what}, {max_tokens} for the completion): shorten the {what} or max_tokens",
+            param=what,
+            code="context_length_exceeded",
+        )
+    return engine.new_sequence(ids, sampling_params(body, max_tokens, logprobs))

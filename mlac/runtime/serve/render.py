@@ -1,0 +1,183 @@
+"""OpenAI response rendering: completion and chat bodies, their stream chunks, and server-sent events.
+
+A Render accumulates the choices of one response from Deltas; `body()` is the non-streaming
+response, `chunk()` one streamed event. `sse()` turns a Submission into the event stream:
+chunks, then usage when asked, then `data: [DONE]`; an error mid-stream (a failed step, the drain
+timeout) is one `data: {"error": {...}}` event, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from mlac.runtime.sampling import TokenLogprob
+from mlac.runtime.scheduler import Delta
+from mlac.runtime.serve.loop import Submission
+from mlac.runtime.serve.protocol import ApiError
+
+DONE = "data: [DONE]\n\n"
+
+
+async def sse(sub: Submission, render: Render, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per delta, usage when asked, then [DONE]. A client that
+    disconnects cancels the generator (starlette), and with it the requests."""
+    try:
+        for chunk in render.start():
+            yield event(chunk)
+        async for index, delta in sub.deltas():
+            if delta.text or delta.finish_reason or (render.want_logprobs and delta.logprobs):
+                yield event(render.chunk(index, delta, include_usage))
+            else:
+                render.add(index, delta)  # a token whose text is held back: nothing to send yet
+        if include_usage:
+            yield event(render.usage_chunk())
+    except ApiError as e:
+        yield event(e.body())
+    finally:
+        sub.cancel_unfinished()
+    yield DONE
+
+
+def event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _lp(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf
+
+
+class Render:
+    """Accumulates the choices of one response; renders chunks and the final body."""
+
+    object = ""
+    chunk_object = ""
+    id_prefix = ""
+    want_logprobs = False
+
+    def __init__(self, tokenizer, model: str, n: int = 1):
+        self.tok, self.model = tokenizer, model
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text = [""] * n
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.prompt_tokens = [0] * n
+        self.completion_tokens = [0] * n
+
+    def add(self, i: int, d: Delta) -> None:
+        self.text[i] += d.text
+        self.logprobs[i] += d.logprobs
+        self.finish[i] = d.finish_reason
+        self.prompt_tokens[i], self.completion_tokens[i] = d.prompt_tokens, d.completion_tokens
+
+    def usage(self) -> dict:
+        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def envelope(self, choices: list, object: str | None = None) -> dict:
+        return {"id": self.id, "object": object or self.object, "created": self.created, "model": self.model,
+                "choices": choices}  # fmt: skip
+
+    def start(self) -> list[dict]:
+        return []
+
+    def usage_chunk(self) -> dict:
+        return {**self.envelope([], self.chunk_object), "usage": self.usage()}
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.token_text(token_id) if self.tok is not None else ""
+
+
+class CompletionRender(Render):
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, tokenizer, model: str, n: int, logprobs: bool):
+        super().__init__(tokenizer, model, n)
+        self.want_logprobs = logprobs
+        self.offset = [0] * n
+
+    def _logprobs(self, i: int, lps: list[TokenLogprob]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset[i])
+            self.offset[i] += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_lp(lp.logprob) for lp in lps],
+            "top_logprobs": [{self.token_text(t): _lp(v) for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chunk(self, i: int, d: Delta, include_usage: bool) -> dict:
+        self.add(i, d)
+        choice = {
+            "index": i,
+            "text": d.text,
+            "logprobs": self._logprobs(i, d.logprobs),
+            "finish_reason": d.finish_reason,
+        }
+        return {**self.envelope([choice]), **({"usage": None} if include_usage else {})}
+
+    def body(self) -> dict:
+        choices = [
+            {"index": i, "text": self.text[i], "logprobs": self._logprobs(i, self.logprobs[i]),
+             "finish_reason": self.finish[i]}
+            for i in range(len(self.text))
+        ]  # fmt: skip
+        return {**self.envelope(choices), "usage": self.usage()}
+
+
+class ChatRender(Render):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, tokenizer, model: str, logprobs: bool):
+        super().__init__(tokenizer, model, 1)
+        self.want_logprobs = logprobs
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        t = self.token_text(token_id)
+        return {"token": t, "logprob": _lp(logprob), "bytes": list(t.encode("utf-8"))}
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for lp in lps:
+            top = [self._entry(t, v) for t, v in lp.top]
+            content.append({**self._entry(lp.token_id, lp.logprob), "top_logprobs": top})
+        return {"content": content}
+
+    def start(self) -> list[dict]:
+        first = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [self.envelope([first], self.chunk_object)]
+
+    def chunk(self, i: int, d: Delta, include_usage: bool) -> dict:
+        self.add(i, d)
+        delta = {"content": d.text} if d.text else {}
+        choice = {
+            "index": i,
+            "delta": delta,
+            "logprobs": self._logprobs(d.logprobs),
+            "finish_reason": d.finish_reason,
+        }
+        return {**self.envelope([choice], self.chunk_object), **({"usage": None} if include_usage else {})}
+
+    def body(self) -> dict:
+        message = {"role": "assistant", "content": self.text[0]}
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(self.logprobs[0]),
+                  "finish_reason": self.finish[0]}  # fmt: skip
+        return {**self.envelope([choice]), "usage": self.usage()}
