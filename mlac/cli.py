@@ -92,7 +92,7 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check
     unquantized source on probe sequences and the error is recorded in the manifest.
     """
     from mlac.artifact import CompileOptions
-    from mlac.compiler.pipeline import check_options, compile_checkpoint
+    from mlac.compiler.pipeline import check_options, check_out_dir, compile_checkpoint
     from mlac.compiler.reader import Checkpoint
     from mlac.config import ModelConfig
 
@@ -100,6 +100,7 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, skip_accuracy_check
         fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check
     )
     check_options(ModelConfig.from_dir(model_dir), options)  # before any safetensors file is opened
+    check_out_dir(out_dir)
     ckpt = Checkpoint(model_dir)
     with _progress(ckpt.total_bytes, "compiling") as bar:
         manifest = compile_checkpoint(ckpt, out_dir, options, force=force, progress=bar.update, log=_log)
@@ -189,16 +190,17 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 means off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same output).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @friendly_errors
 def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype):
     """Load an artifact and print a completion of --prompt."""
     import torch
 
+    from mlac.runtime.device import check_device
     from mlac.runtime.engine import Engine
 
-    engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype))
+    engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype))
     if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -214,13 +216,13 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server)."
 )
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option(
     "--api-key",
     default=None,
     help="Require 'Authorization: Bearer KEY' on /v1 routes (default: env MLAC_API_KEY).",
 )
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option(
     "--max-running-requests",
@@ -271,7 +273,9 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
     "--node-rank", type=int, default=0, show_default=True, help="This node's rank (node 0 serves HTTP)."
 )
 @click.option("--master-addr", default="127.0.0.1", show_default=True, help="Rendezvous address (node 0).")
-@click.option("--master-port", type=int, default=29500, show_default=True, help="Rendezvous port.")
+@click.option(
+    "--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True, help="Rendezvous port."
+)
 @click.option(
     "--warmup/--no-warmup",
     default=True,
@@ -292,6 +296,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "out", "messages": [{"role": "user", "content": "Hi"}]}'
     """
+    from mlac.runtime.device import check_device
     from mlac.runtime.dist import launches_rank_0
     from mlac.runtime.runner import LaunchSpec
     from mlac.runtime.scheduler import SchedulerConfig
@@ -300,6 +305,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
 
     if num_blocks is not None and kv_cache_bytes is not None:
         raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
+    device = check_device(device)
     launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
     config = ServerConfig(
         artifact=out_dir, host=host, port=port, api_key=api_key_from_env(api_key), device=device, dtype=dtype,
