@@ -99,7 +99,7 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, 
     unquantized source on probe sequences and the error is recorded in the manifest.
     """
     from mlac.artifact import CompileOptions
-    from mlac.compiler.pipeline import check_options, compile_checkpoint
+    from mlac.compiler.pipeline import check_options, check_out_dir, compile_checkpoint
     from mlac.compiler.reader import Checkpoint
     from mlac.compiler.writer import check_not_source
     from mlac.config import ModelConfig
@@ -110,6 +110,7 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, 
     )  # fmt: skip
     check_not_source(out_dir, model_dir)  # before anything is read or written (the writer checks again)
     check_options(ModelConfig.from_dir(model_dir), options)  # before any safetensors file is opened
+    check_out_dir(out_dir)
     ckpt = Checkpoint(model_dir)
     with _progress(ckpt.total_bytes, "compiling") as bar:
         manifest = compile_checkpoint(ckpt, out_dir, options, force=force, progress=bar.update, log=_log)
@@ -204,7 +205,7 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 means off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same output).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
 @friendly_errors
@@ -214,9 +215,12 @@ def generate(
     """Load an artifact and print a completion of --prompt."""
     import torch
 
+    from mlac.runtime.device import check_device
     from mlac.runtime.engine import Engine
 
-    engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype), verify=not no_verify)
+    engine = Engine.from_artifact(
+        out_dir, device=check_device(device), dtype=getattr(torch, dtype), verify=not no_verify
+    )
     if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -229,19 +233,33 @@ def generate(
 
 @main.command()
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--batch-sizes", default="1,32,256", show_default=True, help="Comma-separated decode batch sizes.")
-@click.option("--input-len", type=click.IntRange(1), default=64, show_default=True, help="Prompt tokens per sequence.")
-@click.option("--output-len", type=click.IntRange(2), default=64, show_default=True, help="Tokens generated per sequence.")
+@click.option(
+    "--batch-sizes", default="1,32,256", show_default=True, help="Comma-separated decode batch sizes."
+)
+@click.option(
+    "--input-len", type=click.IntRange(1), default=64, show_default=True, help="Prompt tokens per sequence."
+)
+@click.option(
+    "--output-len",
+    type=click.IntRange(2),
+    default=64,
+    show_default=True,
+    help="Tokens generated per sequence.",
+)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when a GPU is present).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True, help="Decode steps as CUDA graphs.")
+@click.option(
+    "--cuda-graph/--no-cuda-graph", default=True, show_default=True, help="Decode steps as CUDA graphs."
+)
 @click.option("--cuda-graph-max-bs", type=click.IntRange(1, 4096), default=256, show_default=True,
               help="Largest decode batch captured as a CUDA graph.")  # fmt: skip
 @click.option("--num-blocks", type=click.IntRange(1), default=None,
               help="KV cache blocks of 16 tokens (default: what the largest batch needs).")  # fmt: skip
 @click.option("--no-verify", is_flag=True, help="Trusted storage: check file sizes only, skip sha256.")
 @click.option("--profile", is_flag=True, help="Also profile decode steps of the smallest batch (CUDA).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here.")
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here."
+)
 @friendly_errors
 def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph, cuda_graph_max_bs, num_blocks,
           no_verify, profile, json_path):  # fmt: skip
@@ -253,11 +271,12 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
     import torch
 
     from mlac import bench as b
+    from mlac.runtime.device import check_device
     from mlac.runtime.engine import Engine
     from mlac.runtime.scheduler import SchedulerConfig
 
     sizes = _batch_sizes(batch_sizes)
-    device = _device(device)
+    device = check_device(device)
     blocks = num_blocks or max(sizes) * -(-(input_len + output_len) // 16) + 1
     sched = SchedulerConfig(max_running_requests=max(sizes), chunked_prefill_size=max(2048, input_len))
     engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype), verify=not no_verify,
@@ -266,7 +285,11 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
     with engine:
         bandwidth, results = b.bench(engine, sizes, input_len, output_len, progress=_log)
         click.echo(b.table(bandwidth, results))
-        prof = b.profile_decode(engine, sizes[0], input_len) if profile and engine.device.type == "cuda" else None
+        prof = (
+            b.profile_decode(engine, sizes[0], input_len)
+            if profile and engine.device.type == "cuda"
+            else None
+        )
         if prof is not None:
             click.echo(f"profile, batch {prof['batch']}: {prof['kernels_per_step']:.0f} kernels per decode step, "
                        f"{prof['gpu_kernel_ms_per_step']:.2f} ms GPU kernel time of {prof['wall_ms_per_step']:.2f} ms wall")  # fmt: skip
@@ -286,34 +309,18 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _device(device: str | None) -> str:
-    """The device to run on: cuda when none is named and a GPU is present; a named one must exist."""
-    import torch
-
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
-        raise MlacError(f"unknown device {device!r}: expected cpu, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise MlacError(f"--device {device}: CUDA is not available on this machine")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        raise MlacError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
 @main.command()
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server)."
 )
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option(
     "--api-key",
     default=None,
     help="Require 'Authorization: Bearer KEY' on /v1 routes (default: env MLAC_API_KEY).",
 )
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option(
     "--max-running-requests",
@@ -371,7 +378,9 @@ def _device(device: str | None) -> str:
     "--node-rank", type=int, default=0, show_default=True, help="This node's rank (node 0 serves HTTP)."
 )
 @click.option("--master-addr", default="127.0.0.1", show_default=True, help="Rendezvous address (node 0).")
-@click.option("--master-port", type=int, default=29500, show_default=True, help="Rendezvous port.")
+@click.option(
+    "--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True, help="Rendezvous port."
+)
 @click.option(
     "--warmup/--no-warmup",
     default=True,
@@ -393,6 +402,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "out", "messages": [{"role": "user", "content": "Hi"}]}'
     """
+    from mlac.runtime.device import check_device
     from mlac.runtime.dist import launches_rank_0
     from mlac.runtime.runner import LaunchSpec
     from mlac.runtime.scheduler import SchedulerConfig
@@ -401,6 +411,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
 
     if num_blocks is not None and kv_cache_bytes is not None:
         raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
+    device = check_device(device)
     launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
     config = ServerConfig(
         artifact=out_dir, host=host, port=port, api_key=api_key_from_env(api_key), device=device, dtype=dtype,

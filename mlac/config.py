@@ -6,28 +6,35 @@ with an error that names the field and its value; nothing is guessed from shapes
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mlac.errors import MlacError
+from mlac.jsonio import load_json
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 FP8_BLOCK = 128
 
+Positive = Annotated[int, Field(gt=0)]  # a size or count that must be at least 1
+Count = Annotated[int, Field(ge=0)]  # a count that may be 0
+PositiveFloat = Annotated[float, Field(gt=0)]
+
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    """Frozen, no unknown fields, no NaN or inf. `from_hf` validates strictly: a JSON string is not
+    a number, a bool not an int."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class YarnScaling(Frozen):
     """YaRN rope scaling (the only scaling DeepSeek uses)."""
 
-    factor: float
-    original_max_position_embeddings: int
+    factor: PositiveFloat
+    original_max_position_embeddings: Positive
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 1.0
@@ -44,39 +51,39 @@ class FP8Source(Frozen):
 
 class ModelConfig(Frozen):
     model_type: Literal["deepseek_v2", "deepseek_v3"]
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
+    vocab_size: Positive
+    hidden_size: Positive
+    intermediate_size: Positive
+    num_hidden_layers: Positive
+    num_attention_heads: Positive
     # MLA
-    q_lora_rank: int | None  # None: plain q_proj (V2-Lite, Moonlight)
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
+    q_lora_rank: Positive | None  # None: plain q_proj (V2-Lite, Moonlight)
+    kv_lora_rank: Positive
+    qk_nope_head_dim: Positive
+    qk_rope_head_dim: Positive
+    v_head_dim: Positive
     # MoE
-    n_routed_experts: int | None  # None: every layer dense
-    n_shared_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    first_k_dense_replace: int
-    moe_layer_freq: int
+    n_routed_experts: Positive | None  # None: every layer dense
+    n_shared_experts: Count
+    num_experts_per_tok: Count  # <= n_routed_experts, and >= 1 when there are routed experts
+    moe_intermediate_size: Count
+    first_k_dense_replace: Count
+    moe_layer_freq: Positive
     topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"]
     scoring_func: Literal["softmax", "sigmoid"]
-    n_group: int
-    topk_group: int
+    n_group: Positive
+    topk_group: Positive
     norm_topk_prob: bool
-    routed_scaling_factor: float
+    routed_scaling_factor: PositiveFloat
     # norms, rope, vocabulary
-    rms_norm_eps: float
-    rope_theta: float
+    rms_norm_eps: PositiveFloat
+    rope_theta: PositiveFloat
     rope_scaling: YarnScaling | None
-    max_position_embeddings: int
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: Positive
+    bos_token_id: Count | None
+    eos_token_ids: tuple[Count, ...]
     # extras
-    num_nextn_predict_layers: int  # MTP layers stored after the main ones (V3)
+    num_nextn_predict_layers: Count  # MTP layers stored after the main ones (V3)
     quantization: FP8Source | None  # set when the checkpoint itself is FP8
     torch_dtype: Literal["bfloat16", "float16", "float32"]
 
@@ -113,23 +120,20 @@ class ModelConfig(Frozen):
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise MlacError(f"{path}: config.json not found (is {model_dir} a Hugging Face checkpoint?)")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MlacError(f"{path}: invalid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise MlacError(f"{path}: expected a JSON object")
-        return cls.from_hf(raw, source=str(path))
+        return cls.from_hf(load_json(path.read_bytes(), str(path)), source=str(path))
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Parse a Hugging Face DeepSeek config dict; refuse what mlac cannot run."""
+        """Parse a Hugging Face DeepSeek config dict; refuse what mlac cannot run: wrong types
+        (strictly: "64" is not an int), NaN or inf, values out of range, inconsistent counts."""
         try:
-            return cls(**_translate(raw, source))
+            config = cls.model_validate(_translate(raw, source), strict=True)
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(p) for p in err["loc"])
             raise MlacError(f"{source}: field {field!r}: {err['msg']} (got {err.get('input')!r})") from None
+        _check_moe(config, source)
+        return config
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -169,11 +173,6 @@ def _translate(raw: dict[str, Any], source: str) -> dict[str, Any]:
     scoring = raw.get("scoring_func", "sigmoid" if v3 else "softmax")
     n_group = raw.get("n_group") or 1
     topk_group = raw.get("topk_group") or 1
-    if n_routed is not None:
-        if n_routed % n_group:
-            raise _refuse(source, "n_group", n_group, f"must divide n_routed_experts={n_routed}")
-        if topk_group > n_group:
-            raise _refuse(source, "topk_group", topk_group, f"must be <= n_group={n_group}")
     if raw.get("num_key_value_heads") not in (None, raw.get("num_attention_heads")):
         raise _refuse(source, "num_key_value_heads", raw["num_key_value_heads"], "MLA has one latent KV head")
 
@@ -203,24 +202,50 @@ def _translate(raw: dict[str, Any], source: str) -> dict[str, Any]:
         "n_group": n_group,
         "topk_group": topk_group,
         # defaults as transformers' DeepseekV2Config / DeepseekV3Config (real configs set both)
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", v3)),
+        "norm_topk_prob": raw.get("norm_topk_prob", v3),
         "routed_scaling_factor": raw.get("routed_scaling_factor", 2.5 if v3 else 1.0),
         "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
-        "rope_theta": raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        "rope_theta": raw.get("rope_theta", _rope_parameters(raw, source).get("rope_theta", 10000.0)),
         "rope_scaling": _rope_scaling(raw, source),
         "max_position_embeddings": raw.get("max_position_embeddings"),
         "bos_token_id": raw.get("bos_token_id"),
         "eos_token_ids": eos_ids,
         "num_nextn_predict_layers": raw.get("num_nextn_predict_layers", 0),
-        "quantization": _quantization(raw.get("quantization_config"), source),
+        "quantization": _quantization(raw, source),
         "torch_dtype": raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
     }
 
 
+def _check_moe(cfg: ModelConfig, source: str) -> None:
+    """The routing counts agree with each other (checked once the types are known good)."""
+    n = cfg.n_routed_experts
+    if n is None:
+        return
+    if n % cfg.n_group:
+        raise _refuse(source, "n_group", cfg.n_group, f"must divide n_routed_experts={n}")
+    if cfg.topk_group > cfg.n_group:
+        raise _refuse(source, "topk_group", cfg.topk_group, f"must be <= n_group={cfg.n_group}")
+    if not 1 <= cfg.num_experts_per_tok <= n:
+        why = f"must be between 1 and n_routed_experts={n}"
+        raise _refuse(source, "num_experts_per_tok", cfg.num_experts_per_tok, why)
+
+
+def _object(raw: dict[str, Any], field: str, source: str) -> dict[str, Any] | None:
+    """raw[field] when it is a JSON object or null/absent; anything else is refused."""
+    value = raw.get(field)
+    if value is not None and not isinstance(value, dict):
+        raise _refuse(source, field, value, "expected a JSON object (or null)")
+    return value
+
+
+def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    return _object(raw, "rope_parameters", source) or {}
+
+
 def _rope_scaling(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
-    rs = raw.get("rope_scaling")
+    rs = _object(raw, "rope_scaling", source)
     if rs is None:
-        params = raw.get("rope_parameters") or {}
+        params = _rope_parameters(raw, source)
         if params.get("rope_type", "default") == "default":
             return None
         rs = params
@@ -238,7 +263,8 @@ def _rope_scaling(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
     return {k: rs[k] for k in keys if rs.get(k) is not None}
 
 
-def _quantization(qc: dict[str, Any] | None, source: str) -> dict[str, Any] | None:
+def _quantization(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
+    qc = _object(raw, "quantization_config", source)
     if qc is None:
         return None
     method = qc.get("quant_method")
@@ -252,7 +278,7 @@ def _quantization(qc: dict[str, Any] | None, source: str) -> dict[str, Any] | No
         raise _refuse(
             source, "quantization_config.activation_scheme", scheme, "only dynamic activation scaling"
         )
-    block = tuple(qc.get("weight_block_size") or ())
-    if block != (FP8_BLOCK, FP8_BLOCK):
-        raise _refuse(source, "quantization_config.weight_block_size", list(block), "only 128x128 blocks")
-    return {"fmt": fmt, "activation_scheme": scheme, "weight_block_size": block}
+    block = qc.get("weight_block_size")
+    if block != [FP8_BLOCK, FP8_BLOCK] or any(type(b) is not int for b in block):
+        raise _refuse(source, "quantization_config.weight_block_size", block, "only [128, 128] blocks")
+    return {"fmt": fmt, "activation_scheme": scheme, "weight_block_size": (FP8_BLOCK, FP8_BLOCK)}

@@ -9,6 +9,7 @@ byte is written. The pipeline owns all I/O; passes only transform lazy tensors.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from mlac.compiler.lazy import LazyTensor
 from mlac.compiler.reader import Checkpoint, read_globals, read_layer
 from mlac.compiler.writer import ArtifactWriter
 from mlac.config import FP8_BLOCK, ModelConfig
+from mlac.errors import MlacError
 from mlac.passes import PassContext, absorb, buckets, fp8, fuse, rope, shard
 
 LAYER_PASSES = (rope, fuse, absorb)  # then shard (one layer -> one dict per rank), then fp8 per rank
@@ -47,6 +49,19 @@ def check_options(config: ModelConfig, options: CompileOptions) -> None:
     """Everything about the options that can be refused from the config alone (no tensor read)."""
     shard.check(config, options)
     buckets.check(options)
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """Refuse an OUT_DIR that cannot be created, before any heavy work: one under a file, or
+    whose nearest existing folder is not writable (a read-only file system, permissions).
+    (The writer builds the artifact in a sibling of OUT_DIR, so that folder must be writable.)"""
+    folder = Path(out_dir).absolute().parent
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise MlacError(f"{out_dir}: cannot create it: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise MlacError(f"{out_dir}: cannot create it: {folder} is not writable (read-only or no permission)")
 
 
 def tensor_groups(
@@ -103,6 +118,7 @@ def compile_checkpoint(
 ) -> Manifest:
     """Compile a HF DeepSeek checkpoint into an artifact at out_dir (atomically)."""
     options = options or CompileOptions()
+    check_out_dir(out_dir)
     if not isinstance(model_dir, Checkpoint):
         check_options(ModelConfig.from_dir(model_dir), options)
     ckpt = model_dir if isinstance(model_dir, Checkpoint) else Checkpoint(model_dir)

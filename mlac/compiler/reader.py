@@ -10,7 +10,6 @@ comes with its block scale as `<name>.scale`, or is dequantized to bf16 when the
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from mlac.compiler.lazy import LazyTensor
 from mlac.compiler.safetensors_io import SafetensorsFile, TensorInfo
 from mlac.config import FP8_BLOCK, ModelConfig
 from mlac.errors import MlacError
+from mlac.jsonio import load_json
 from mlac.kernels.fp8_gemm import dequantize_blocks
 
 INDEX = "model.safetensors.index.json"
@@ -169,14 +169,12 @@ class Checkpoint:
     def _read_index(self, index: Path) -> dict[str, str]:
         raw = index.read_bytes()
         self.index_sha256 = hashlib.sha256(raw).hexdigest()
-        try:
-            weight_map = json.loads(raw)["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AssertionError):
-            raise MlacError(f"{index}: invalid index (expected JSON with a 'weight_map' object)") from None
-        for shard in set(weight_map.values()):
-            if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
-                raise MlacError(f"{index}: invalid shard file name {shard!r}")
+        weight_map = load_json(raw, str(index)).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise MlacError(f"{index}: invalid index (expected JSON with a 'weight_map' object)")
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or "/" in shard or shard.startswith(".") or not shard:
+                raise MlacError(f"{index}: tensor {name!r}: invalid shard file name {shard!r}")
         return weight_map
 
     def _add_file(self, rel: str, who: str) -> None:

@@ -20,10 +20,12 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from mlac.errors import MlacError
+from mlac.jsonio import load_json
 
 DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
@@ -58,7 +60,13 @@ class TensorInfo:
 
 
 class SafetensorsFile:
-    """The header of one safetensors file, validated against the file's size."""
+    """The header of one safetensors file, validated against the file's size.
+
+    As the format requires (and the `safetensors` library checks): unique names, each tensor's
+    byte length = prod(shape) * itemsize, and the tensors, sorted by offset, tile the data
+    exactly: the first begins at 0, each begins where the previous one ends, the last ends at
+    the end of the file. Two names on the same bytes, overlaps, gaps and trailing bytes are refused.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -70,43 +78,61 @@ class SafetensorsFile:
     def _parse(self) -> dict[str, TensorInfo]:
         try:
             size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                head = f.read(8)
+            with open(self.path, "rb", buffering=0) as f:
+                head = read_exact(f, 0, 8)
                 if len(head) < 8:
                     raise self._fail("truncated safetensors file (no header)")
                 (n,) = struct.unpack("<Q", head)
                 if n > MAX_HEADER or n + 8 > size:
                     raise self._fail("corrupt or truncated safetensors header")
-                raw = f.read(n)
+                raw = read_exact(f, 8, n)
         except OSError as e:
             raise self._fail(f"cannot read ({e.strerror})") from None
-        try:
-            header = json.loads(raw)
-            assert isinstance(header, dict)
-        except (json.JSONDecodeError, UnicodeDecodeError, AssertionError):
-            raise self._fail("corrupt safetensors header (not valid JSON)") from None
+        header = load_json(raw, f"{self.path}: corrupt safetensors header", object_pairs_hook=self._unique)
         header.pop("__metadata__", None)
-        data_start, data_len = 8 + n, size - 8 - n
-        out = {}
-        for name, meta in header.items():
-            out[name] = self._entry(name, meta, data_start, data_len)
+        data_start = 8 + n
+        out = {name: self._entry(name, meta, data_start) for name, meta in header.items()}
+        self._check_tiling(out, data_start, size - data_start)
         return out
 
-    def _entry(self, name: str, meta: dict, data_start: int, data_len: int) -> TensorInfo:
+    def _unique(self, pairs: list[tuple[str, object]]) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for key, value in pairs:
+            if key in out:
+                raise self._fail(f"corrupt safetensors header: name {key!r} appears twice")
+            out[key] = value
+        return out
+
+    def _entry(self, name: str, meta: object, data_start: int) -> TensorInfo:
         try:
+            assert isinstance(meta, dict)
             dtype = DTYPES[meta["dtype"]]
-            shape = tuple(int(d) for d in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            shape = tuple(_index(d) for d in meta["shape"])
+            begin, end = (_index(x) for x in meta["data_offsets"])
+        except (AssertionError, KeyError, TypeError, ValueError):
             raise self._fail(f"corrupt header entry for tensor {name!r}") from None
         nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
+        if end - begin != nbytes:
             raise self._fail(f"tensor {name!r}: header offsets do not match its shape and dtype")
-        if end > data_len:
-            raise self._fail(
-                f"truncated: tensor {name!r} ends at byte {end} but the data is {data_len} bytes"
-            )
         return TensorInfo(name, dtype, shape, data_start + begin, nbytes)
+
+    def _check_tiling(self, tensors: dict[str, TensorInfo], data_start: int, data_len: int) -> None:
+        """The tensors, sorted by where they begin, cover [0, data_len) exactly once."""
+        at = 0  # relative to data_start: where the next tensor must begin
+        for info in sorted(tensors.values(), key=lambda t: (t.start, t.nbytes)):
+            begin = info.start - data_start
+            if begin != at:
+                what = "overlaps the previous tensor" if begin < at else f"leaves a gap of {begin - at} bytes"
+                raise self._fail(
+                    f"corrupt safetensors header: tensor {info.name!r} {what} (begins at {begin})"
+                )
+            at = begin + info.nbytes
+            if at > data_len:
+                raise self._fail(
+                    f"truncated: tensor {info.name!r} ends at byte {at} but the data is {data_len} bytes"
+                )
+        if at != data_len:
+            raise self._fail(f"corrupt safetensors file: {data_len - at} bytes after the last tensor's data")
 
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into fresh memory."""
@@ -114,8 +140,7 @@ class SafetensorsFile:
         buf = torch.empty(info.nbytes, dtype=torch.uint8)
         try:
             with open(self.path, "rb", buffering=0) as f:
-                f.seek(info.start)
-                got = f.readinto(memoryview(buf.numpy()))
+                got = readinto_exact(f, info.start, memoryview(buf.numpy()))
         except OSError as e:
             raise self._fail(f"cannot read tensor {name!r} ({e.strerror})") from None
         if got != info.nbytes:
@@ -123,6 +148,34 @@ class SafetensorsFile:
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=info.dtype)
         return buf.view(info.dtype).view(info.shape)
+
+
+def _index(value: object) -> int:
+    """A shape dimension or offset: a non-negative JSON integer (not a bool, float or string)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(value)
+    return value
+
+
+def readinto_exact(f: BinaryIO, offset: int, buf: memoryview) -> int:
+    """Fill `buf` from byte `offset` of the unbuffered file `f`; return the bytes read (less than
+    len(buf) only at end of file). One read returns at most 2,147,479,552 bytes on Linux (and
+    may return less anywhere), so this loops until the buffer is full."""
+    f.seek(offset)
+    done = 0
+    while done < len(buf):
+        got = f.readinto(buf[done:])
+        if not got:
+            break
+        done += got
+    return done
+
+
+def read_exact(f: BinaryIO, offset: int, n: int) -> bytes:
+    """`n` bytes from `offset` of the unbuffered file `f` (fewer only at end of file)."""
+    buf = bytearray(n)
+    got = readinto_exact(f, offset, memoryview(buf))
+    return bytes(buf[:got])
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:

@@ -262,8 +262,10 @@ class RankGroup:
     # ---- failures ----------------------------------------------------------------------------
 
     def report(self, exc: BaseException) -> None:
-        """A follower failed: tell rank 0 why (before this process exits and breaks the collectives)."""
-        traceback.print_exception(exc, file=sys.stderr)
+        """A follower failed: tell rank 0 why (before this process exits and breaks the collectives).
+        Rank 0 prints the error; a traceback is printed here only for a bug (not an MlacError)."""
+        if not isinstance(exc, MlacError):
+            traceback.print_exception(exc, file=sys.stderr)
         try:
             seq = self.ctl.add("errors", 1)
             self.ctl.set(f"error/{self.world.rank}", f"{seq}:{describe(exc)}")

@@ -38,7 +38,7 @@ from mlac.runtime.dist import (
 from mlac.runtime.graphs import DecodeGraphs
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Weights
-from mlac.runtime.loader import load_artifact
+from mlac.runtime.loader import check_files, load_artifact
 from mlac.runtime.model import DeepseekModel
 from mlac.runtime.parallel import SINGLE, ParallelContext
 from mlac.runtime.step import Step
@@ -147,7 +147,21 @@ def make_runner(
     options = options or RuntimeOptions()
     if world.size == 1:
         return build_runner(RankJob(str(path), str(device), dtype, verify, options), rank=0)
+    check_local_ranks(Path(path), manifest, world)
     return run_rank(RankJob(str(path), torch.device(device).type, dtype, verify, options), world)
+
+
+def check_local_ranks(root: Path, manifest: Manifest, world: World) -> None:
+    """Before any rank starts: the rank folders of this process's ranks (its node's, or its own
+    under torchrun) exist and hold their files at their sizes (hashes are each rank's to check).
+    A missing folder is then one clean error here, not a failure inside a spawned rank."""
+    first = world.rank - world.local_rank
+    ranks = [world.rank] if world.torchrun else range(first, first + world.local_size)
+    for rank in ranks:
+        folder = manifest.rank_dir(rank)
+        if not (root / folder).is_dir():
+            raise MlacError(f"{root}: rank folder {folder}/ is missing (the artifact is incomplete)")
+        check_files(root, manifest, verify=False, rank=rank)
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,12 @@ chat_template). Prompts are encoded with bos prepended, as DeepSeek's tokenizers
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mlac.errors import MlacError
+from mlac.jsonio import load_json
 
 
 def _token_text(value: Any) -> str | None:
@@ -21,17 +21,28 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
-class Tokenizer:
-    def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer as HFTokenizer
+def _load_tokenizer_json(path: Path):
+    """The `tokenizers` Tokenizer of tokenizer.json; a file it cannot parse is an MlacError naming it."""
+    from tokenizers import Tokenizer as HFTokenizer
 
+    if not path.is_file():
+        raise MlacError(f"{path}: tokenizer.json not found")
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception for a corrupt file
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise MlacError(f"{path}: corrupt tokenizer file ({why})") from None
+
+
+class Tokenizer:
+    """Reads `path`/tokenizer.json and, if present, `path`/tokenizer_config.json; either one
+    corrupt is an MlacError naming the file."""
+
+    def __init__(self, path: str | Path):
         root = Path(path)
-        tok_file = root / "tokenizer.json"
-        if not tok_file.is_file():
-            raise MlacError(f"{tok_file}: tokenizer.json not found")
-        self._tok = HFTokenizer.from_file(str(tok_file))
+        self._tok = _load_tokenizer_json(root / "tokenizer.json")
         cfg_file = root / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        cfg = load_json(cfg_file.read_bytes(), str(cfg_file)) if cfg_file.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_token_id = self._id_of(self.bos_token)
