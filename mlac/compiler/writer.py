@@ -13,9 +13,9 @@ from pathlib import Path
 from types import TracebackType
 
 from mlac.artifact import MANIFEST, FileEntry, Manifest, TensorEntry, rank_dir, sha256_file
-from mlac.compiler.lazy import LazyTensor
 from mlac.compiler.safetensors_io import WriteSpec, dtype_name, iter_rows, write_safetensors_lockstep
 from mlac.errors import MlacError
+from mlac.lazy import LazyTensor
 
 
 class ArtifactWriter:
