@@ -26,6 +26,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mlac.fp8 import dequantize_blocks, expand_block_scale  # noqa: E402
 from mlac.kernels import fp8_gemm as G  # noqa: E402
 from mlac.kernels import moe as M  # noqa: E402
 from mlac.kernels import moe_routing as R  # noqa: E402
@@ -98,7 +99,7 @@ def ref64(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tens
     k, n = x.shape[-1], w.shape[0]
     xq, xs = (t.to(x.device) for t in G.quantize_act_ref(x.reshape(-1, k).cpu()))
     x_deq = xq.double() * xs.double().repeat_interleave(G.BLOCK, dim=-1)[:, :k]
-    w_deq = w.double() * G.expand_block_scale(w_scale.double(), n, k)
+    w_deq = w.double() * expand_block_scale(w_scale.double(), n, k)
     return (x_deq @ w_deq.t()).to(x.dtype)
 
 
@@ -155,7 +156,7 @@ def bench_gemm(m: int, n: int, k: int, ceil: dict, quick: bool) -> dict:
     best = min(rows, key=lambda r: r["us"])
     # baseline: bf16 linear on the pre-dequantized weight (what a non-FP8 build would run)
     n_base = max(1, rot // 2)
-    wb = [G.dequantize_blocks(ws[i], ss[i]).to(torch.bfloat16) for i in range(n_base)]
+    wb = [dequantize_blocks(ws[i], ss[i]).to(torch.bfloat16) for i in range(n_base)]
     base_us = time_graph([lambda i=i: torch.nn.functional.linear(xs[i], wb[i]) for i in range(len(wb))])
     res = {
         "kernel": "fp8_gemm",

@@ -24,10 +24,10 @@ from test_bad_input import (
     weights_file,
 )
 
-from mlac.compiler import safetensors_io
-from mlac.compiler.safetensors_io import SafetensorsFile, readinto_exact
+from mlac import safetensors_io
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.safetensors_io import SafetensorsFile, readinto_exact
 
 __all__ = ["ckpt"]  # the fixture, shared with test_bad_input.py
 

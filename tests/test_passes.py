@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mlac.compiler.lazy import concat_rows, eager, stack
-from mlac.kernels.fp8_gemm import dequantize_blocks
-from mlac.passes.fp8 import quantize_blocks, quantize_lazy
+from mlac.fp8 import dequantize_blocks, quantize_blocks
+from mlac.lazy import concat_rows, eager, stack
+from mlac.passes.fp8 import quantize_lazy
 from mlac.passes.rope import deinterleave, row_permutation
 
 

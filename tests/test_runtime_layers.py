@@ -8,7 +8,8 @@ from _hf_convert import raw_config
 
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
-from mlac.kernels.fp8_gemm import FP8, FP8_MAX, dequantize_blocks, expand_block_scale, fp8_linear_ref
+from mlac.fp8 import FP8, FP8_MAX, dequantize_blocks, expand_block_scale
+from mlac.kernels.fp8_gemm import fp8_linear_ref
 from mlac.runtime.layers import Linear, RMSNorm, RotaryEmbedding, Weights, apply_rope, rope_parameters
 
 YARN_CASES = {

@@ -18,10 +18,11 @@ from safetensors import safe_open
 
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.fp8 import FP8_MAX, dequantize_blocks
 from mlac.synth import PRESETS, synthesize, weight_bytes
 from mlac.synth.checkpoint import resolve_config
 from mlac.synth.tokenizer import ASSISTANT, BOS, EOS, MAX_VOCAB, USER, train_tokenizer
-from mlac.synth.weights import FP8_MAX, checkpoint_params, dequantize_fp8, draw_values
+from mlac.synth.weights import checkpoint_params, draw_values
 
 TINY = ["tiny-v2-lite", "tiny-v2", "tiny-v3"]
 CONFIGS = Path(__file__).parent / "configs"
@@ -188,7 +189,7 @@ def test_fp8_blocks(tiny):
             for j in range(s.shape[1]):
                 block = q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
                 assert block.abs().max() == FP8_MAX, (name, i, j)
-        w = dequantize_fp8(q, s)
+        w = dequantize_blocks(q, s)
         ref = draw_values(params[name], 0, 0, rows, torch.float32)  # one chunk: tiny tensors
         assert (w - ref).norm() / ref.norm() < 0.04, name  # e4m3: 3 mantissa bits
         assert 0.8 < w.std().item() * cols**0.5 < 1.2, name  # the bf16 init's scale survived
@@ -208,7 +209,7 @@ def test_fp8_matches_transformers_dequantization(tiny):
     checked = 0
     for name, param in model.named_parameters():
         if name + "_scale_inv" in t and t[name].shape[0] % 128 == 0 and t[name].shape[1] % 128 == 0:
-            ours = dequantize_fp8(t[name], t[name + "_scale_inv"])
+            ours = dequantize_blocks(t[name], t[name + "_scale_inv"])
             torch.testing.assert_close(param.detach().float(), ours, rtol=4e-3, atol=0, msg=name)
             checked += 1
     assert checked >= 10

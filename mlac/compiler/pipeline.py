@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 
 import mlac
+from mlac import accuracy
 from mlac.artifact import (
     TOKENIZER_DIR,
+    AccuracyReport,
     CompileOptions,
     Manifest,
     ParallelPlan,
@@ -26,11 +28,12 @@ from mlac.artifact import (
     Quantization,
     SourceInfo,
 )
-from mlac.compiler.lazy import LazyTensor
 from mlac.compiler.reader import Checkpoint, read_globals, read_layer
 from mlac.compiler.writer import ArtifactWriter
-from mlac.config import FP8_BLOCK, ModelConfig
+from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.fp8 import BLOCK
+from mlac.lazy import LazyTensor
 from mlac.passes import PassContext, absorb, buckets, fp8, fuse, rope, shard
 
 LAYER_PASSES = (rope, fuse, absorb)  # then shard (one layer -> one dict per rank), then fp8 per rank
@@ -141,9 +144,9 @@ def compile_checkpoint(
             f"wrote {sum(f.size for f in w.files) / 1e9:.2f} GB in {elapsed:.1f} s "
             f"({ckpt.total_bytes / 1e6 / max(elapsed, 1e-9):.0f} MB/s of source)"
         )
-        manifest = _manifest(ckpt, options, w, accuracy=None)
-        accuracy = _accuracy(ckpt, options, w.root, manifest, log)
-        return _commit(w, manifest.model_copy(update={"accuracy": accuracy}))
+        manifest = _manifest(ckpt, options, w)
+        report = _accuracy(ckpt, w.root, manifest, log)
+        return _commit(w, manifest.model_copy(update={"accuracy": report}))
 
 
 def _commit(w: ArtifactWriter, manifest: Manifest) -> Manifest:
@@ -151,15 +154,14 @@ def _commit(w: ArtifactWriter, manifest: Manifest) -> Manifest:
     return manifest
 
 
-def _accuracy(ckpt: Checkpoint, options: CompileOptions, root: Path, manifest: Manifest, log: Log):
-    from mlac.compiler.accuracy import measure_accuracy
+def _accuracy(ckpt: Checkpoint, root: Path, manifest: Manifest, log: Log) -> AccuracyReport:
+    """The artifact at root against the source compiled in memory without FP8, on 1 rank."""
+    params = sum(info.nbytes // info.dtype.itemsize for info in ckpt.where.values())
+    reference = lambda: compile_tensors(ckpt, CompileOptions())[0]  # noqa: E731
+    return accuracy.measure_accuracy(root, manifest, reference, params, log)
 
-    return measure_accuracy(ckpt, options, root, manifest, log)
 
-
-def _manifest(ckpt: Checkpoint, options: CompileOptions, w: ArtifactWriter, accuracy) -> Manifest:
-    from mlac.artifact import AccuracyReport
-
+def _manifest(ckpt: Checkpoint, options: CompileOptions, w: ArtifactWriter) -> Manifest:
     try:
         import triton
 
@@ -170,7 +172,7 @@ def _manifest(ckpt: Checkpoint, options: CompileOptions, w: ArtifactWriter, accu
     quant = Quantization(scheme="none")
     if options.fp8:
         quant = Quantization(
-            scheme="fp8-block", fmt="e4m3", block=(FP8_BLOCK, FP8_BLOCK), scale_dtype="float32",
+            scheme="fp8-block", fmt="e4m3", block=(BLOCK, BLOCK), scale_dtype="float32",
             kept_source_blocks=ckpt.config.quantization is not None, tensors=n_fp8,
         )  # fmt: skip
     source = SourceInfo(
@@ -188,7 +190,7 @@ def _manifest(ckpt: Checkpoint, options: CompileOptions, w: ArtifactWriter, accu
         plan=ParallelPlan(tp=options.tp, ep=options.ep),
         quantization=quant,
         buckets=buckets.plan_buckets(ckpt.config, options, w.tensors),
-        accuracy=accuracy or AccuracyReport(status="skipped", reason="not measured yet"),
+        accuracy=AccuracyReport(status="skipped", reason="not measured yet"),
         tensors=w.tensors,
         files=sorted(w.files, key=lambda f: f.path),
     )

@@ -19,16 +19,15 @@ from pathlib import Path
 
 import torch
 
-from mlac.compiler.lazy import LazyTensor
-from mlac.compiler.safetensors_io import SafetensorsFile, TensorInfo
-from mlac.config import FP8_BLOCK, ModelConfig
+from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.fp8 import dequantize_lazy, scale_shape
 from mlac.jsonio import load_json
-from mlac.kernels.fp8_gemm import dequantize_blocks
+from mlac.lazy import LazyTensor
+from mlac.safetensors_io import SafetensorsFile, TensorInfo
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-FP8_DEQUANT_DTYPE = torch.bfloat16
 
 # HF name suffix inside `model.layers.{i}.` -> mlac name inside `layers.{i}.` (before fusion)
 LAYER_NAMES = {
@@ -62,11 +61,6 @@ RECENT = 2  # source tensors kept after reading (per-rank slices of one tensor a
 class Expected:
     shape: tuple[int, ...]
     fp8: bool  # stored as e4m3 with a weight_scale_inv sibling in an FP8 checkpoint
-
-
-def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    *lead, rows, cols = shape
-    return (*lead, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
 
 
 def expected_layer(cfg: ModelConfig, i: int) -> dict[str, Expected]:
@@ -301,12 +295,7 @@ def read_tensors(
             out[name] = value
             out[name + ".scale"] = ckpt.stored(scale_name, on_read)
         else:
-            scale = ckpt.stored(scale_name, on_read)
-            out[name] = LazyTensor(
-                value.shape,
-                FP8_DEQUANT_DTYPE,
-                lambda v=value, s=scale: dequantize_blocks(v.load(), s.load()).to(FP8_DEQUANT_DTYPE),
-            )
+            out[name] = dequantize_lazy(value, ckpt.stored(scale_name, on_read))
     return out
 
 

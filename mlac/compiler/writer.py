@@ -28,9 +28,9 @@ from mlac.artifact import (
     rank_dir,
     sha256_file,
 )
-from mlac.compiler.lazy import LazyTensor
-from mlac.compiler.safetensors_io import WriteSpec, dtype_name, iter_rows, write_safetensors_lockstep
 from mlac.errors import MlacError
+from mlac.lazy import LazyTensor
+from mlac.safetensors_io import WriteSpec, dtype_name, iter_rows, write_safetensors_lockstep
 
 Log = Callable[[str], None]
 

@@ -68,7 +68,7 @@ if triton is not None:
 
     @triton.jit
     def _attn_tile(
-        acc, m_i, l_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs, offs_m, offs_n0, n0, kv_len, limit,
+        acc, m_i, l_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs, offs_n0, n0, kv_len, limit,
         stride_k_t, stride_v_t, qk_scale_log2,
         MASK_D: tl.constexpr, DB: tl.constexpr, DQK: tl.constexpr, DA: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
@@ -164,13 +164,13 @@ if triton is not None:
             hi = kv_len
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs, offs_m, offs_n0, n0, kv_len, limit,
+                acc, m_i, l_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs, offs_n0, n0, kv_len, limit,
                 stride_k_t, stride_v_t, qk_scale_log2,
                 BLOCK_DV != DV, DB, DQK, DA, DV, BLOCK_DV, False, CAUSAL, PRECISION,
             )  # fmt: skip
         for n0 in range(full_end, hi, BLOCK_N):
             acc, m_i, l_i = _attn_tile(
-                acc, m_i, l_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs, offs_m, offs_n0, n0, kv_len, limit,
+                acc, m_i, l_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs, offs_n0, n0, kv_len, limit,
                 stride_k_t, stride_v_t, qk_scale_log2,
                 BLOCK_DV != DV, DB, DQK, DA, DV, BLOCK_DV, True, CAUSAL, PRECISION,
             )  # fmt: skip

@@ -11,24 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mlac.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks
 from mlac.kernels.fp8_quant import HAS_TRITON, act_quant, cast_out, jit, round_e4m3, tl, triton
 from mlac.kernels.fp8_quant import use_triton as _use_triton
-
-BLOCK = 128
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448.0
-
-
-def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: int = BLOCK) -> torch.Tensor:
-    """[..., ceil(rows/b), ceil(cols/b)] block scales -> [..., rows, cols] elementwise scales."""
-    s = scale.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
-    return s[..., :rows, :cols]
-
-
-def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """FP8 weight [..., N, K] with block scales -> float32 [..., N, K] (scale multiplies)."""
-    n, k = w.shape[-2:]
-    return w.to(torch.float32) * expand_block_scale(scale.to(torch.float32), n, k, block)
 
 
 def quantize_act_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,10 +13,9 @@ import os
 
 import torch
 
+from mlac.fp8 import BLOCK as GROUP
+from mlac.fp8 import FP8_MAX
 from mlac.kernels._triton import HAS_TRITON, tl, triton, use_triton  # noqa: F401 (re-exported)
-
-GROUP = 128
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 def jit(fn):

@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mlac.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks, quantize_blocks
 from mlac.kernels._triton import HAS_TRITON, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
-from mlac.kernels.fp8_gemm import BLOCK, FP8, FP8_MAX, dequantize_blocks, quantize_act_ref
+from mlac.kernels.fp8_gemm import quantize_act_ref
 from mlac.kernels.fp8_quant import cast_out, interpreting, round_e4m3
 
 
@@ -99,11 +100,9 @@ def head_bmm_ref(
 def quantize_head_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [H, K, N] float -> (e4m3 [H, K, N], float32 scales [H, ceil(K/128), ceil(N/128)]).
 
-    Each head's [K, N] matrix is quantized on its own with the fp8 pass's 128x128 block quantizer
-    (scale = amax(block) / 448), so no block spans two heads.
+    Each head's [K, N] matrix is quantized on its own with `mlac.fp8.quantize_blocks`, the
+    compiler's 128x128 block quantizer (scale = amax(block) / 448), so no block spans two heads.
     """
-    from mlac.passes.fp8 import quantize_blocks  # the compiler's quantizer: one definition
-
     assert w.dim() == 3 and w.is_floating_point(), f"w must be [H, K, N] float: {w.dtype} {tuple(w.shape)}"
     pairs = [quantize_blocks(w_h.cpu()) for w_h in w]
     q = torch.stack([p[0] for p in pairs]).to(w.device)

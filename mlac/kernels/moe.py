@@ -13,7 +13,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from mlac.kernels.fp8_gemm import BLOCK, FP8, FP8_MAX, dequantize_blocks, fp8_linear_ref
+from mlac.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks
+from mlac.kernels.fp8_gemm import fp8_linear_ref
 from mlac.kernels.fp8_quant import (
     HAS_TRITON,
     act_quant,

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from mlac.compiler.lazy import LazyTensor
-from mlac.compiler.reader import FP8_DEQUANT_DTYPE
-from mlac.kernels.fp8_gemm import dequantize_blocks
+from mlac.fp8 import dequantize_lazy
+from mlac.lazy import LazyTensor
 from mlac.passes import PassContext
 
 NAME = "absorb"
@@ -30,12 +29,13 @@ def run(tensors: dict[str, LazyTensor], ctx: PassContext) -> dict[str, LazyTenso
     cfg, pre = ctx.config, f"layers.{ctx.layer}.attn."
     t = dict(tensors)
     kv_b, scale = t.pop(pre + "wkv_b"), t.pop(pre + "wkv_b.scale", None)
+    if scale is not None:
+        kv_b = dequantize_lazy(kv_b, scale)
     h, nope, v, kv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    dtype = kv_b.dtype if scale is None else FP8_DEQUANT_DTYPE
+    dtype = kv_b.dtype
 
     def per_head() -> torch.Tensor:  # [H, nope+v, kv]
-        w = kv_b.load() if scale is None else dequantize_blocks(kv_b.load(), scale.load()).to(dtype)
-        return w.view(h, nope + v, kv)
+        return kv_b.load().view(h, nope + v, kv)
 
     t[pre + "w_kc"] = LazyTensor((h, nope, kv), dtype, lambda: per_head()[:, :nope].contiguous())
     t[pre + "w_vc"] = LazyTensor((h, kv, v), dtype, lambda: per_head()[:, nope:].transpose(1, 2).contiguous())

@@ -49,10 +49,10 @@ from __future__ import annotations
 import math
 
 from mlac.artifact import BucketPlan, CompileOptions, TensorEntry
-from mlac.compiler.safetensors_io import DTYPES
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
 from mlac.passes import PassContext
+from mlac.safetensors_io import DTYPES
 
 NAME = "buckets"
 MAX_BS = 4096

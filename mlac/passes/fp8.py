@@ -16,10 +16,8 @@ import warnings
 
 import torch
 
-from mlac.compiler.lazy import LazyTensor, concat_rows, stack
-from mlac.compiler.reader import scale_shape
-from mlac.config import FP8_BLOCK
-from mlac.kernels.fp8_gemm import FP8, FP8_MAX
+from mlac.fp8 import BLOCK, FP8, quantize_block_kernel, quantize_blocks, scale_shape
+from mlac.lazy import LazyTensor, concat_rows, stack
 from mlac.passes import PassContext
 
 NAME = "fp8"
@@ -27,60 +25,37 @@ QUANTIZED = (
     "attn.w_qkv_a", "attn.wq", "attn.w_kv_a", "attn.wq_b", "attn.wo",
     "mlp.w13", "mlp.w2", "moe.w13", "moe.w2", "moe.shared.w13", "moe.shared.w2",
 )  # fmt: skip
-ROWS_PER_STEP = 16 * FP8_BLOCK  # bounds the float32 temporaries of one quantization step
 COMPILE_MIN_ELEMENTS = 1 << 20  # below this (tiny test models), eager beats a first compile
 
 
 def params(ctx: PassContext) -> dict:
     return {
         "fmt": "e4m3",
-        "block": [FP8_BLOCK, FP8_BLOCK],
+        "block": [BLOCK, BLOCK],
         "scale_dtype": "float32",
         "tensors": list(QUANTIZED),
     }
 
 
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (e4m3 [N, K], float32 scales [ceil(N/128), ceil(K/128)]).
-
-    scale = amax(block) / 448; q = clamp(w / scale) in e4m3 (multiplying by 1/scale).
-    """
-    n, k = w.shape
-    rb, cb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    aligned = n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0
-    src = w if aligned else torch.nn.functional.pad(w, (0, cb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - n))
-    blocks = src.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
-    step = max(1, ROWS_PER_STEP // FP8_BLOCK)  # block rows per step: bounds float32 temporaries
-    q = torch.empty(rb, FP8_BLOCK, cb, FP8_BLOCK, dtype=FP8)
-    scale = torch.empty(rb, cb, dtype=torch.float32)
-    kernel = _compiled_kernel() if w.numel() >= COMPILE_MIN_ELEMENTS else _quantize_kernel
-    for r in range(0, rb, step):
-        q[r : r + step], scale[r : r + step] = kernel(blocks[r : r + step])
-    q = q.view(rb * FP8_BLOCK, cb * FP8_BLOCK)
-    return (q if aligned else q[:n, :k].contiguous()), scale
-
-
-def _quantize_kernel(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks [rb, 128, cb, 128] -> (e4m3 blocks, float32 scales [rb, cb])."""
-    amax = blocks.abs().amax(dim=(1, 3)).float()
-    scale = amax.clamp(min=1e-12) / FP8_MAX
-    y = (blocks.float() * (1.0 / scale)[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    return y.to(FP8), scale
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mlac.fp8.quantize_blocks`, with its kernel compiled for large weights (same bits)."""
+    kernel = _compiled_kernel() if w.numel() >= COMPILE_MIN_ELEMENTS else quantize_block_kernel
+    return quantize_blocks(w, kernel)
 
 
 @functools.cache
 def _compiled_kernel():
-    """The same function fused by Inductor into two loops over the data (~3x faster on CPU);
+    """The block kernel fused by Inductor into two loops over the data (~3x faster on CPU);
     the eager kernel when no C++ compiler is available."""
-    compiled = torch.compile(_quantize_kernel, dynamic=True)
-    probe = torch.randn(1, FP8_BLOCK, 2, FP8_BLOCK, dtype=torch.bfloat16)
+    compiled = torch.compile(quantize_block_kernel, dynamic=True)
+    probe = torch.randn(1, BLOCK, 2, BLOCK, dtype=torch.bfloat16)
     try:
-        got, want = compiled(probe), _quantize_kernel(probe)
+        got, want = compiled(probe), quantize_block_kernel(probe)
     except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
         warnings.warn(
             f"fp8: torch.compile unavailable ({type(e).__name__}); quantizing in eager mode", stacklevel=2
         )
-        return _quantize_kernel
+        return quantize_block_kernel
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
     return compiled
 
@@ -101,17 +76,17 @@ def quantize_lazy(t: LazyTensor) -> tuple[LazyTensor, LazyTensor]:
     if t.parts and len(t.shape) == 3:  # stacked experts: each part is one expert's matrix
         pairs = [quantize_lazy(p) for p in t.parts]
         return stack([q for q, _ in pairs]), stack([s for _, s in pairs])
-    if t.parts and all(p.shape[0] % FP8_BLOCK == 0 for p in t.parts[:-1]):
+    if t.parts and all(p.shape[0] % BLOCK == 0 for p in t.parts[:-1]):
         pairs = [quantize_lazy(p) for p in t.parts]
         return concat_rows([q for q, _ in pairs]), concat_rows([s for _, s in pairs])
     kept: list[torch.Tensor] = []  # the scale computed along with the weight, until written
 
     def weight() -> torch.Tensor:
-        q, s = quantize_blocks(t.load())
+        q, s = quantize(t.load())
         kept[:] = [s]
         return q
 
     def scale() -> torch.Tensor:
-        return kept.pop() if kept else quantize_blocks(t.load())[1]
+        return kept.pop() if kept else quantize(t.load())[1]
 
     return LazyTensor(t.shape, FP8, weight), LazyTensor(scale_shape(t.shape), torch.float32, scale)

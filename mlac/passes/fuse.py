@@ -11,10 +11,8 @@ pass requantizes the fused tensor).
 
 from __future__ import annotations
 
-from mlac.compiler.lazy import LazyTensor, concat_rows, stack
-from mlac.compiler.reader import FP8_DEQUANT_DTYPE
-from mlac.config import FP8_BLOCK
-from mlac.kernels.fp8_gemm import dequantize_blocks
+from mlac.fp8 import BLOCK, dequantize_lazy
+from mlac.lazy import LazyTensor, concat_rows, stack
 from mlac.passes import PassContext
 
 NAME = "fuse"
@@ -43,17 +41,13 @@ def _pop(t: dict[str, LazyTensor], name: str) -> tuple[LazyTensor, LazyTensor | 
 
 
 def _dequantized(w: LazyTensor, s: LazyTensor | None) -> LazyTensor:
-    if s is None:
-        return w
-    return LazyTensor(
-        w.shape, FP8_DEQUANT_DTYPE, lambda: dequantize_blocks(w.load(), s.load()).to(FP8_DEQUANT_DTYPE)
-    )
+    return w if s is None else dequantize_lazy(w, s)
 
 
 def _fuse(t: dict[str, LazyTensor], names: list[str], out: str) -> None:
     pairs = [_pop(t, n) for n in names]
     scales = [s for _, s in pairs]
-    aligned = all(w.shape[0] % FP8_BLOCK == 0 for w, _ in pairs[:-1])
+    aligned = all(w.shape[0] % BLOCK == 0 for w, _ in pairs[:-1])
     if all(s is not None for s in scales) and aligned:
         t[out] = concat_rows([w for w, _ in pairs])
         t[out + ".scale"] = concat_rows(scales)

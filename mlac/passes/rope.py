@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from mlac.compiler.lazy import LazyTensor
-from mlac.compiler.reader import FP8_DEQUANT_DTYPE
-from mlac.config import FP8_BLOCK
-from mlac.kernels.fp8_gemm import dequantize_blocks
+from mlac.fp8 import BLOCK, dequantize_lazy
+from mlac.lazy import LazyTensor
 from mlac.passes import PassContext
 
 NAME = "rope"
@@ -57,12 +55,8 @@ def _permute_rows(tensors: dict[str, LazyTensor], name: str, starts: list[int], 
     w = tensors[name]
     idx = row_permutation(w.shape[0], starts, rope)
     scale = tensors.get(name + ".scale")
-    if scale is not None and any(s // FP8_BLOCK != (s + rope - 1) // FP8_BLOCK for s in starts):
+    if scale is not None and any(s // BLOCK != (s + rope - 1) // BLOCK for s in starts):
         # a segment straddles two blocks: permuting would mix scales, so leave FP8 here
         del tensors[name + ".scale"]
-        w = LazyTensor(
-            w.shape,
-            FP8_DEQUANT_DTYPE,
-            lambda w=w, s=scale: dequantize_blocks(w.load(), s.load()).to(FP8_DEQUANT_DTYPE),
-        )
+        w = dequantize_lazy(w, scale)
     tensors[name] = w.map(lambda t: t[idx])

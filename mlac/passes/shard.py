@@ -17,11 +17,10 @@ is checked by `check` before any tensor is read.
 from __future__ import annotations
 
 from mlac.artifact import CompileOptions
-from mlac.compiler.lazy import LazyTensor, concat_rows, per_part, stack, take_cols, take_rows
-from mlac.compiler.reader import FP8_DEQUANT_DTYPE
-from mlac.config import FP8_BLOCK, ModelConfig
+from mlac.config import ModelConfig
 from mlac.errors import MlacError
-from mlac.kernels.fp8_gemm import dequantize_blocks
+from mlac.fp8 import BLOCK, dequantize_lazy
+from mlac.lazy import LazyTensor, concat_rows, per_part, take_cols, take_rows
 from mlac.passes import PassContext
 
 NAME = "shard"
@@ -127,12 +126,12 @@ def _slice(
 ) -> tuple[LazyTensor, LazyTensor | None]:  # fmt: skip
     """Slice a 2-D weight or a stack of them (rows/cols inside each matrix, or whole experts)."""
     if scale is not None and not _aligned(t, rows, cols):
-        t, scale = _dequantized(t, scale), None
+        t, scale = dequantize_lazy(t, scale), None
     w = _apply(t, rows, cols, experts)
     if scale is None:
         return w, None
-    blk = [(a // FP8_BLOCK, -(-b // FP8_BLOCK)) for a, b in rows] if rows else None
-    bcol = (cols[0] // FP8_BLOCK, -(-cols[1] // FP8_BLOCK)) if cols else None
+    blk = [(a // BLOCK, -(-b // BLOCK)) for a, b in rows] if rows else None
+    bcol = (cols[0] // BLOCK, -(-cols[1] // BLOCK)) if cols else None
     return w, _apply(scale, blk, bcol, experts)
 
 
@@ -149,15 +148,7 @@ def _apply(t: LazyTensor, rows: list[Range] | None, cols: Range | None, experts:
 
 def _aligned(t: LazyTensor, rows: list[Range] | None, cols: Range | None) -> bool:
     n_rows, n_cols = t.shape[-2:]
-    ok = lambda x, full: x % FP8_BLOCK == 0 or x == full  # noqa: E731
+    ok = lambda x, full: x % BLOCK == 0 or x == full  # noqa: E731
     return all(ok(a, n_rows) and ok(b, n_rows) for a, b in rows or []) and (
         cols is None or (ok(cols[0], n_cols) and ok(cols[1], n_cols))
-    )
-
-
-def _dequantized(t: LazyTensor, scale: LazyTensor) -> LazyTensor:
-    if t.parts and len(t.shape) == 3 and scale.parts:  # one expert at a time
-        return stack([_dequantized(p, s) for p, s in zip(t.parts, scale.parts, strict=True)])
-    return LazyTensor(
-        t.shape, FP8_DEQUANT_DTYPE, lambda: dequantize_blocks(t.load(), scale.load()).to(FP8_DEQUANT_DTYPE)
     )

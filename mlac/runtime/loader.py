@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from mlac.artifact import FileEntry, Manifest, TensorEntry, check_identity, check_inside, verify_files
-from mlac.compiler.safetensors_io import SafetensorsFile, dtype_name
 from mlac.errors import MlacError
 from mlac.runtime.readpass import FileRead, default_threads, read_files
+from mlac.safetensors_io import SafetensorsFile, dtype_name
 
 KEEP_FLOAT32 = (".scale", ".gate_bias")  # tensor contract: float32 whatever the compute dtype
 

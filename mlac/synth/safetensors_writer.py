@@ -8,7 +8,6 @@ them out (widest dtype first, then by name), so every tensor starts aligned to i
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import deque
@@ -18,14 +17,8 @@ from pathlib import Path
 
 import torch
 
+from mlac.safetensors_io import encode_header
 from mlac.synth.weights import Param, draw_chunk
-
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
 
 Progress = Callable[[int], None]
 
@@ -50,17 +43,8 @@ def _layout(params: list[Param]) -> tuple[bytes, dict[str, int]]:
     """(header bytes incl. the 8-byte length, data offset of each stored tensor)."""
     stored = [t for p in params for t in p.stored()]
     stored.sort(key=lambda t: (-t[1].itemsize, t[0]))
-    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offsets: dict[str, int] = {}
-    pos = 0
-    for name, dtype, shape in stored:
-        n = math.prod(shape) * dtype.itemsize
-        entries[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
-        offsets[name] = pos
-        pos += n
-    header = json.dumps(entries, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)  # data starts 8-byte aligned
-    return len(header).to_bytes(8, "little") + header, offsets
+    header, offsets = encode_header(stored)
+    return header, {name: off for (name, _, _), off in zip(stored, offsets, strict=True)}
 
 
 def _pwrite_all(fd: int, data: torch.Tensor, offset: int) -> int:

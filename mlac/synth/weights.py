@@ -1,7 +1,8 @@
 """The tensors of a DeepSeek checkpoint, and how to draw each one at random.
 
 `checkpoint_params` lists every weight an official Hugging Face checkpoint of the config holds,
-with its HF name and shape. `draw_chunk` draws a block of rows of one of them and encodes it as
+with its HF name and shape: the reader's table (`mlac.compiler.reader.expected_layer`), plus the
+MTP layers' own tensors, which the reader sets aside unchecked. `draw_chunk` draws a block of rows of one of them and encodes it as
 stored (bf16, or FP8 e4m3 plus float32 `weight_scale_inv` blocks). Each chunk has its own
 generator, seeded from (seed, tensor name, chunk index), so the bytes do not depend on the order
 or the threads that produce them. A draw is 16 random bits looked up in a table of normal
@@ -23,13 +24,13 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from mlac.config import FP8_BLOCK, ModelConfig
+from mlac.compiler.reader import Expected, expected_globals, expected_layer
+from mlac.config import ModelConfig
+from mlac.fp8 import BLOCK, quantize_blocks, scale_shape
 
 Init = Literal["linear", "head", "norm", "embed", "router", "bias"]
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 HEAD_GAIN = 3.0
 _LEVELS = 1 << 16  # distinct values a draw can take
 _TAKE_STEP = 1 << 16  # table lookups per np.take call
@@ -58,9 +59,8 @@ class Param:
         return self.name + SCALE_SUFFIX
 
     @property
-    def scale_shape(self) -> tuple[int, int]:
-        rows, cols = self.shape
-        return (math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK))
+    def scale_shape(self) -> tuple[int, ...]:
+        return scale_shape(self.shape)
 
     def stored(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor written for this weight: itself, then its scale."""
@@ -78,7 +78,7 @@ class Param:
         cols = math.prod(self.shape[1:])
         rows = max(1, CHUNK_ELEMS // max(cols, 1))
         if self.fp8:
-            rows = max(FP8_BLOCK, rows // FP8_BLOCK * FP8_BLOCK)
+            rows = max(BLOCK, rows // BLOCK * BLOCK)
         return min(rows, self.shape[0])
 
     def chunks(self) -> list[tuple[int, int]]:
@@ -95,14 +95,12 @@ def checkpoint_params(cfg: ModelConfig) -> list[Param]:
     """Every weight of the HF checkpoint: embed, layers, norm, lm_head, then the MTP layers."""
     dense = _DTYPES[cfg.torch_dtype]
     linear = torch.float8_e4m3fn if cfg.quantization is not None else dense
-    D, V = cfg.hidden_size, cfg.vocab_size
-    params = [Param("model.embed_tokens.weight", (V, D), "embed", dense, "model.embed_tokens.weight")]
+    top = {name: _param(name, exp, dense, linear) for name, exp in expected_globals(cfg).items()}
+    params = [top.pop("model.embed_tokens.weight")]
     for i in range(cfg.num_hidden_layers):
         params += _layer(cfg, i, dense, linear)
-    params += [
-        Param("model.norm.weight", (D,), "norm", dense, "model.norm.weight"),
-        Param("lm_head.weight", (V, D), "head", dense, "lm_head.weight"),
-    ]
+    params += [top.pop("model.norm.weight"), top.pop("lm_head.weight")]
+    assert not top, f"unplaced global tensors {sorted(top)}"
     for k in range(cfg.num_nextn_predict_layers):
         params += _mtp_layer(cfg, cfg.num_hidden_layers + k, dense, linear)
     return params
@@ -113,49 +111,27 @@ def _p(name: str, shape: tuple[int, ...], init: Init, dtype: torch.dtype) -> Par
 
 
 def _layer(cfg: ModelConfig, i: int, dense: torch.dtype, linear: torch.dtype) -> list[Param]:
-    D, H = cfg.hidden_size, cfg.num_attention_heads
-    kv_b_rows = H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    pre = f"model.layers.{i}"
-    a = f"{pre}.self_attn"
-    out = [
-        _p(f"{pre}.input_layernorm.weight", (D,), "norm", dense),
-        _p(f"{pre}.post_attention_layernorm.weight", (D,), "norm", dense),
-    ]
-    if cfg.q_lora_rank is None:
-        out.append(_p(f"{a}.q_proj.weight", (H * cfg.qk_head_dim, D), "linear", linear))
+    """Decoder layer i, in the reader's table order."""
+    pre = f"model.layers.{i}."
+    return [_param(pre + suffix, exp, dense, linear) for suffix, exp in expected_layer(cfg, i).items()]
+
+
+def _param(name: str, exp: Expected, dense: torch.dtype, linear: torch.dtype) -> Param:
+    """A tensor of the reader's table, with its init and stored dtype (FP8 where it may be)."""
+    init: Init
+    if name.endswith("e_score_correction_bias"):
+        return _p(name, exp.shape, "bias", torch.float32)
+    if name == "model.embed_tokens.weight":
+        init = "embed"
+    elif name == "lm_head.weight":
+        init = "head"
+    elif name.endswith("mlp.gate.weight"):
+        init = "router"
+    elif len(exp.shape) == 1:
+        init = "norm"
     else:
-        out += [
-            _p(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, D), "linear", linear),
-            _p(f"{a}.q_a_layernorm.weight", (cfg.q_lora_rank,), "norm", dense),
-            _p(f"{a}.q_b_proj.weight", (H * cfg.qk_head_dim, cfg.q_lora_rank), "linear", linear),
-        ]
-    out += [
-        _p(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_latent_dim, D), "linear", linear),
-        _p(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm", dense),
-        _p(f"{a}.kv_b_proj.weight", (kv_b_rows, cfg.kv_lora_rank), "linear", linear),
-        _p(f"{a}.o_proj.weight", (D, H * cfg.v_head_dim), "linear", linear),
-    ]
-    if not cfg.is_moe_layer(i):
-        return out + _mlp(f"{pre}.mlp", D, cfg.intermediate_size, linear)
-    E = cfg.n_routed_experts
-    assert E is not None
-    out.append(_p(f"{pre}.mlp.gate.weight", (E, D), "router", dense))
-    if cfg.topk_method == "noaux_tc":
-        out.append(_p(f"{pre}.mlp.gate.e_score_correction_bias", (E,), "bias", torch.float32))
-    for e in range(E):
-        out += _mlp(f"{pre}.mlp.experts.{e}", D, cfg.moe_intermediate_size, linear)
-    if cfg.n_shared_experts:
-        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        out += _mlp(f"{pre}.mlp.shared_experts", D, shared, linear)
-    return out
-
-
-def _mlp(pre: str, dim: int, inter: int, dtype: torch.dtype) -> list[Param]:
-    return [
-        _p(f"{pre}.gate_proj.weight", (inter, dim), "linear", dtype),
-        _p(f"{pre}.up_proj.weight", (inter, dim), "linear", dtype),
-        _p(f"{pre}.down_proj.weight", (dim, inter), "linear", dtype),
-    ]
+        init = "linear"
+    return _p(name, exp.shape, init, linear if exp.fp8 else dense)
 
 
 def _mtp_layer(cfg: ModelConfig, n: int, dense: torch.dtype, linear: torch.dtype) -> list[Param]:
@@ -226,35 +202,11 @@ def draw_values(param: Param, seed: int, chunk: int, rows: int, dtype: torch.dty
 
 
 def draw_chunk(param: Param, seed: int, chunk: int, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk as stored: (weight rows in the stored dtype, their scale rows or None)."""
-    if param.fp8:
-        return quantize_fp8(draw_values(param, seed, chunk, rows, torch.float32))
-    return draw_values(param, seed, chunk, rows, param.dtype), None
+    """One chunk as stored: (weight rows in the stored dtype, their scale rows or None).
 
-
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantize [R, C] float32 to (e4m3 [R, C], float32 scale_inv [ceil(R/128), ceil(C/128)]).
-
-    dequantized = fp8.float() * scale_inv, broadcast per 128x128 block (the last partial blocks
-    trimmed), the DeepSeek-V3 release format. Each block's largest magnitude maps to 448.
-    Consumes `w` (scaled in place).
+    An FP8 chunk (whole 128-row blocks but for the last) is block-quantized as DeepSeek-V3
+    releases are: `weight_scale_inv` multiplies, each block's largest magnitude maps to 448.
     """
-    R, C = w.shape
-    B = FP8_BLOCK
-    partial = bool(R % B or C % B)
-    if partial:
-        w = F.pad(w, (0, -C % B, 0, -R % B))  # zeros never raise a block's amax
-    Rp, Cp = w.shape
-    rows = w.view(Rp, Cp // B, B)
-    amax = torch.maximum(rows.amax(-1), rows.amin(-1).neg_()).view(Rp // B, B, Cp // B).amax(1)
-    scale = amax.div_(FP8_MAX).clamp_(min=1e-12)  # [Rb, Cb]
-    # |w / scale| <= 448 up to an ulp: far from 464, where e4m3fn rounding would give NaN
-    q = w.view(Rp // B, B, Cp // B, B).div_(scale[:, None, :, None]).view(Rp, Cp).to(torch.float8_e4m3fn)
-    return (q[:R, :C].contiguous() if partial else q), scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """Inverse of quantize_fp8 (up to e4m3 rounding): float32 [R, C]."""
-    R, C = q.shape
-    s = scale_inv.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:R, :C]
-    return q.float() * s
+    if param.fp8:
+        return quantize_blocks(draw_values(param, seed, chunk, rows, torch.float32))
+    return draw_values(param, seed, chunk, rows, param.dtype), None

@@ -91,7 +91,15 @@ def test_extend_attention_bf16(triton_device):
     check(make_case([17, 40], [30, 3], 3, 3, 48, 32, torch.bfloat16, triton_device, seed=2))
 
 
-def test_extend_attention_dispatch_cpu_uses_reference():
+def test_extend_attention_dispatch_cpu_uses_reference(monkeypatch):
+    import mlac.kernels.extend_attention as mod
+
+    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("extend_attention picked Triton for CPU tensors")
+
+    monkeypatch.setattr(mod, "extend_attention_triton", no_triton)
     q, k, v, cu_q, cu_kv, _, scale = make_case([3, 4], [2, 0], 2, 2, 16, 8, torch.float32, "cpu", seed=3)
     torch.testing.assert_close(
         extend_attention(q, k, v, cu_q, cu_kv, scale), extend_attention_ref(q, k, v, cu_q, cu_kv, scale)[0]

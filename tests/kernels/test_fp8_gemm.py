@@ -86,7 +86,13 @@ def test_fp8_linear_leading_dims_and_float32_input():
     _util.assert_close(out, gemm_mod.fp8_linear_ref(x, w, s, torch.bfloat16))
 
 
-def test_cpu_dispatch_runs_reference():
+def test_cpu_dispatch_runs_reference(monkeypatch):
+    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("fp8_linear picked Triton for CPU tensors")
+
+    monkeypatch.setattr(gemm_mod, "fp8_gemm", no_triton)
     x, w, s = _case(3, 96, 200, seed=3, device="cpu")
     assert torch.equal(gemm_mod.fp8_linear(x, w, s), gemm_mod.fp8_linear_ref(x, w, s))
 

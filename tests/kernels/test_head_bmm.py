@@ -118,7 +118,13 @@ def test_strided_views_and_fp16():
     _util.assert_close(_run(x, q, s, config=SMALL), hb.head_bmm_ref(x, q, s))
 
 
-def test_cpu_dispatch_runs_reference():
+def test_cpu_dispatch_runs_reference(monkeypatch):
+    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("head_bmm picked Triton for CPU tensors")
+
+    monkeypatch.setattr(hb, "head_bmm_triton", no_triton)
     x, w = _case(3, 2, 128, 64, seed=3, device="cpu")
     q, s = hb.quantize_head_weight(w)
     assert torch.equal(hb.head_bmm(x, w), hb.head_bmm_ref(x, w))

@@ -130,7 +130,15 @@ def test_mla_decode_strided_queries(triton_device):
     check(args, kv_scale, triton_device, num_splits=2)
 
 
-def test_mla_decode_dispatch_cpu_uses_reference():
+def test_mla_decode_dispatch_cpu_uses_reference(monkeypatch):
+    import mlac.kernels.mla_decode as mod
+
+    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("mla_decode picked Triton for CPU tensors")
+
+    monkeypatch.setattr(mod, "mla_decode_triton", no_triton)
     args, kv_scale = make_case([3, 10], 2, 32, 16, 4, torch.float32, torch.float32, "cpu", seed=4)
     o = mla_decode(*args)
     torch.testing.assert_close(o, mla_decode_ref(*args)[0])

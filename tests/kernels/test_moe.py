@@ -148,7 +148,13 @@ def test_fused_moe_shared_out_without_local_experts():
     assert torch.equal(out, shared)
 
 
-def test_cpu_dispatch_runs_reference():
+def test_cpu_dispatch_runs_reference(monkeypatch):
+    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("fused_moe picked Triton for CPU tensors")
+
+    monkeypatch.setattr(moe_mod, "fused_moe_triton", no_triton)
     w13, w2, _, _ = _experts(4, 96, 64, False, seed=2, device="cpu")
     weights, ids = _routing(3, 4, 2, seed=3, device="cpu")
     x = torch.randn(3, 96).to(torch.bfloat16)

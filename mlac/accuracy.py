@@ -1,21 +1,26 @@
-"""Accuracy report: the compiled artifact against the unquantized source, on probe sequences.
+"""Accuracy report: a compiled artifact against the unquantized source, on probe sequences.
 
 Both sides run through mlac's CPU runtime in float32 (the runtime itself is checked against
 transformers by the test suite): the reference is the same checkpoint compiled in memory
 without FP8 (an FP8 source dequantized), 1 rank; the candidate is the artifact just written,
 run with all its ranks and its KV-cache dtype. The error is what the artifact's options (FP8
 weights and W8A8 activations, an FP8 KV cache, the per-rank split) cost.
+
+This module sits above the runtime and beside the compiler: the compiler calls it with a way to
+build the reference tensors, so it imports nothing from `mlac.compiler`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from mlac.artifact import AccuracyReport, CompileOptions, Manifest
-from mlac.compiler.reader import Checkpoint
+from mlac.artifact import AccuracyReport, Manifest
+
+Reference = Callable[[], dict[str, torch.Tensor]]  # the 1-rank tensors compiled without FP8
 
 PROBES = 4
 PROBE_TOKENS = 32
@@ -34,9 +39,8 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def needed_memory(ckpt: Checkpoint) -> int:
-    """Two float32 copies of the model (reference and artifact) plus headroom."""
-    params = sum(info.nbytes // info.dtype.itemsize for info in ckpt.where.values())
+def needed_memory(params: int) -> int:
+    """Two float32 copies of a model of `params` elements (reference and artifact) plus headroom."""
     return int(2 * 4 * params * 1.2)
 
 
@@ -46,23 +50,25 @@ def probe_tokens(vocab: int) -> list[list[int]]:
 
 
 def measure_accuracy(
-    ckpt: Checkpoint, options: CompileOptions, root: Path, manifest: Manifest, log
+    root: Path, manifest: Manifest, reference_tensors: Reference, params: int, log: Callable[[str], None]
 ) -> AccuracyReport:
-    if not options.accuracy_check:
+    """Run the artifact being written at `root` (its files complete, `manifest` provisional)
+    against `reference_tensors()`, or say why it was skipped: its options turn the check off, or
+    the model (`params` source elements) does not fit this machine's memory twice in float32."""
+    cfg = manifest.model
+    if not manifest.options.accuracy_check:
         return AccuracyReport(status="skipped", reason="--skip-accuracy-check")
-    need, have = needed_memory(ckpt), available_memory()
+    need, have = needed_memory(params), available_memory()
     if need > MEMORY_FRACTION * have:
         reason = f"the model does not fit this machine for the check (needs ~{need / 1e9:.1f} GB, {have / 1e9:.1f} GB available)"
         log(f"accuracy: skipped: {reason}")
         return AccuracyReport(status="skipped", reason=reason)
-    from mlac.compiler.pipeline import compile_tensors
-    from mlac.runtime.engine import Engine
+    from mlac.runtime.engine import Engine  # here: a compile that skips the check never loads it
 
     log(f"accuracy: {PROBES} probes of {PROBE_TOKENS} tokens, artifact vs unquantized source (float32, CPU)")
     (root / "manifest.json").write_text(manifest.to_json())  # provisional; replaced at commit
-    cfg = ckpt.config
     blocks = PROBES * (PROBE_TOKENS // 16 + 2)
-    ref_tensors = compile_tensors(ckpt, CompileOptions())[0]
+    ref_tensors = reference_tensors()
     reference = Engine.from_tensors(cfg, ref_tensors, dtype=torch.float32, num_blocks=blocks)
     del ref_tensors
     want = [reference.score(ids) for ids in probe_tokens(cfg.vocab_size)]

@@ -199,18 +199,24 @@ class WriteSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _header(specs: list[WriteSpec]) -> bytes:
+def encode_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
+    """(name, dtype, shape) of each tensor, in file order -> (the file's first bytes: the 8-byte
+    length and the JSON header, padded so that data starts 8-byte aligned; each tensor's data
+    offset, relative to the end of those bytes)."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for s in specs:
-        header[s.name] = {
-            "dtype": dtype_name(s.dtype),
-            "shape": list(s.shape),
-            "data_offsets": [offset, offset + s.nbytes],
+    offsets, offset = [], 0
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": dtype_name(dtype),
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
         }
-        offset += s.nbytes
+        offsets.append(offset)
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    return struct.pack("<Q", len(raw) + (-len(raw) % 8)) + raw + b" " * (-len(raw) % 8)
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
 
 
 class _Out:
@@ -250,11 +256,6 @@ class _Out:
             raise MlacError(f"{self.f.name}: write failed ({self.error})")
 
 
-def write_safetensors(path: Path, specs: list[WriteSpec]) -> tuple[int, str]:
-    """Write tensors sorted by name, streaming their chunks; return (size, sha256)."""
-    return write_safetensors_lockstep([path], [specs])[0]
-
-
 def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) -> list[tuple[int, str]]:
     """Write several files with the same tensor names (one per rank), tensor by tensor.
 
@@ -267,7 +268,7 @@ def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) 
     outs = [_Out(p) for p in paths]
     try:
         for out, s in zip(outs, specs, strict=True):
-            out.write(memoryview(_header(s)))
+            out.write(memoryview(encode_header([(x.name, x.dtype, x.shape) for x in s])[0]))
         for i in range(len(names)):
             _write_tensor_lockstep(outs, [s[i] for s in specs])
     finally:
