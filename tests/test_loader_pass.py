@@ -15,9 +15,11 @@ import torch
 from _hf_convert import raw_config, write_artifact
 from safetensors import safe_open
 
+from mlac.artifact import IDENTITY, artifact_identity, identity_record
 from mlac.errors import MlacError
 from mlac.runtime import readpass
-from mlac.runtime.loader import load_artifact, to_compute_dtype
+from mlac.runtime.loader import VIEW_ALIGN, load_artifact, to_compute_dtype
+from mlac.safetensors_io import DATA_ALIGN, SafetensorsFile
 
 RAW = raw_config("v3", num_hidden_layers=2)
 RANK = "rank-00000-of-00001"
@@ -41,7 +43,7 @@ def pack(tensors: dict[str, torch.Tensor]) -> bytes:
         }
         data += raw
     head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
+    head += b" " * (-(8 + len(head)) % 16)  # data 16-byte aligned, then tensors back to back
     return struct.pack("<Q", len(head)) + head + data
 
 
@@ -59,6 +61,7 @@ def make_artifact(root: Path, files: dict[str, dict[str, torch.Tensor]]) -> Path
         for name, t in tensors.items():
             m["tensors"][0][name] = {"file": rel, "dtype": NAMES[t.dtype], "shape": list(t.shape)}
     (root / "manifest.json").write_text(json.dumps(m))
+    (root / IDENTITY).write_text(identity_record(artifact_identity(root)))
     return root
 
 
@@ -66,6 +69,7 @@ def every_dtype(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     f = torch.randn(5, 3, generator=g)
     return {
+        "0.u8x16": torch.arange(16, dtype=torch.uint8),  # at offset 0: aligned, and so is what follows
         "a.odd_bf16": f[0].to(torch.bfloat16),  # 6 bytes: what follows is unaligned
         "b.f32": f,
         "c.odd_fp8": f[:, 0].to(torch.float8_e4m3fn),  # 5 bytes
@@ -87,7 +91,10 @@ def every_dtype(seed: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
     files = {f"part-{i}.safetensors": {f"p{i}.{k}": t for k, t in every_dtype(i).items()} for i in range(3)}
-    files["big.safetensors"] = {"big.w": torch.randn(64, 1000), "big.u": torch.randn(77)}  # 256 kB
+    files["big.safetensors"] = {
+        "big.w": torch.randn(64, 1000),
+        "big.u": torch.randn(76),
+    }  # 256 kB, both aligned
     return make_artifact(tmp_path_factory.mktemp("art") / "a", files)
 
 
@@ -125,23 +132,44 @@ def test_a_compiled_fp8_artifact_equals_safe_open(artifact):
     assert_same(loaded, reference(root, torch.bfloat16))
 
 
+def starts(root: Path, fname: str) -> dict[str, int]:
+    """Each tensor's absolute byte offset in the rank file `fname`."""
+    return {n: i.start for n, i in SafetensorsFile(root / RANK / fname).tensors.items()}
+
+
 def test_the_tensors_of_one_file_are_views_of_one_allocation(pristine):
     tensors = load_artifact(pristine, dtype=torch.float32).tensors
     ptr = lambda name: tensors[name].untyped_storage().data_ptr()  # noqa: E731
     for i in range(3):
-        shared = {ptr(f"p{i}.{k}") for k in ("c.odd_fp8", "e.fp8_e5m2", "h.bool", "k.i8", "l.u8")}
-        assert len(shared) == 1, "1-byte tensors are never cast nor unaligned: views of the file's bytes"
-        assert ptr(f"p{i}.a.odd_bf16") not in shared  # cast to float32: a new tensor
+        at = starts(pristine, f"part-{i}.safetensors")
+        stored = every_dtype(i)
+        aligned = [f"p{i}.{k}" for k, t in stored.items() if at[f"p{i}.{k}"] % VIEW_ALIGN == 0 and t.numel()
+                   and tensors[f"p{i}.{k}"].dtype == t.dtype]  # fmt: skip
+        assert aligned and len({ptr(n) for n in aligned}) == 1, "aligned, uncast: views of the file's bytes"
+        assert ptr(f"p{i}.a.odd_bf16") not in {ptr(n) for n in aligned}  # cast to float32: a new tensor
     assert ptr("p0.k.i8") != ptr("p1.k.i8")  # one allocation per file
     assert ptr("big.u") == ptr("big.w")
 
 
 def test_a_tensor_at_an_unaligned_offset_is_copied_out(pristine):
     tensors = load_artifact(pristine, dtype=torch.bfloat16).tensors
-    base = tensors["p0.a.odd_bf16"].untyped_storage().data_ptr()
-    assert tensors["p0.b.f32"].untyped_storage().data_ptr() != base  # at offset 6: a view is impossible
-    assert tensors["p0.b.f32"].data_ptr() % 4 == 0
-    assert tensors["p0.c.odd_fp8"].untyped_storage().data_ptr() == base  # 1-byte: a view
+    at = starts(pristine, "part-0.safetensors")
+    base = tensors["p0.a.odd_bf16"].untyped_storage().data_ptr()  # at the first offset: a view
+    assert at["p0.a.odd_bf16"] % VIEW_ALIGN == 0
+    for name in ("p0.b.f32", "p0.c.odd_fp8"):  # after the 6-byte tensor: unaligned, copied out
+        assert at[name] % VIEW_ALIGN != 0
+        assert tensors[name].untyped_storage().data_ptr() != base
+        assert tensors[name].data_ptr() % VIEW_ALIGN == 0
+    for name, t in tensors.items():  # every tensor the loader hands out is aligned
+        assert t.data_ptr() % VIEW_ALIGN == 0 or t.numel() == 0, name
+
+
+def test_mlacs_writer_aligns_every_tensor_of_an_aligned_size(artifact):
+    """The data starts DATA_ALIGN-aligned and tensors of aligned sizes come first: all views."""
+    root = artifact("tiny-v3", fp8=True)
+    for f in (root / RANK).glob("*.safetensors"):
+        infos = SafetensorsFile(f).tensors.values()
+        assert all(i.start % DATA_ALIGN == 0 for i in infos if i.nbytes % DATA_ALIGN == 0), f.name
 
 
 def test_load_stats_count_the_bytes_read(pristine):

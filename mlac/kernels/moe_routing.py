@@ -10,9 +10,7 @@ Tile: one program per token; its E experts sit in a [G_PAD, S_PAD] tile, row g h
 experts (E = n_group * group_size; one row of E when not grouping), padded to powers of two and
 masked. `route` dispatches (Triton on CUDA, the reference on CPU) with route_ref's signature.
 
-`gate_route` also computes the logits, x.float() @ gate.float().T: for a few tokens (decode) one
-kernel does the gate GEMM in float32 and then the same routing (`_route_tile`); for more tokens
-a matmul, then `route`.
+`gate_route` also computes the logits, x.float() @ gate.float().T, as one float32 GEMM.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from mlac.kernels._triton import HAS_TRITON, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
@@ -34,7 +33,6 @@ else:  # the CPU runtime must not need triton
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # gate_route fuses the gate GEMM up to this many tokens (decode batches); beyond it every fused
 # program re-reading the [E, D] gate weight costs more than one GEMM and a [T, E] round trip.
-FUSED_MAX_TOKENS = 64
 
 
 @jit
@@ -164,51 +162,6 @@ def _route_kernel(
     )  # fmt: skip
 
 
-@jit
-def _gate_route_kernel(
-    x_ptr,
-    gate_ptr,
-    bias_ptr,
-    weights_ptr,
-    ids_ptr,
-    stride_x,
-    stride_gate,
-    D,
-    scale,
-    BLOCK_D: tl.constexpr,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    N_GROUP: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    G_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    SIGMOID: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    GROUP_TOP2: tl.constexpr,
-    DROP_NEG_INF: tl.constexpr,
-    RENORM: tl.constexpr,
-    EXACT_EXP: tl.constexpr,
-):
-    """_route_kernel on logits it computes itself: x[t] . gate[e] in float32, D in BLOCK_D chunks."""
-    t = tl.program_id(0).to(tl.int64)
-    ok, expert = _expert_tile(N_GROUP, GROUP_SIZE, G_PAD, S_PAD)
-    rows = gate_ptr + expert.to(tl.int64)[:, :, None] * stride_gate  # [G, S, 1]
-    logits = tl.zeros([G_PAD, S_PAD], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs = d0 + tl.arange(0, BLOCK_D)
-        d_ok = offs < D
-        xv = tl.load(x_ptr + t * stride_x + offs, mask=d_ok, other=0.0).to(tl.float32)  # [BD]
-        w_mask = ok[:, :, None] & d_ok[None, None, :]
-        w = tl.load(rows + offs[None, None, :], mask=w_mask, other=0.0).to(tl.float32)  # [G, S, BD]
-        logits += tl.sum(w * xv[None, None, :], axis=2)
-    _route_tile(
-        logits, ok, expert, bias_ptr, weights_ptr, ids_ptr, t, scale,
-        TOP_K, K_PAD, N_GROUP, G_PAD, S_PAD, TOPK_GROUP, SIGMOID, HAS_BIAS, GROUP_TOP2, DROP_NEG_INF,
-        RENORM, EXACT_EXP,
-    )  # fmt: skip
-
-
 def _weight_rule(
     method: TopkMethod, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float
 ) -> tuple[bool, float]:
@@ -303,55 +256,6 @@ def route_triton(
     return weights, ids
 
 
-def gate_route_triton(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    top_k: int,
-    method: TopkMethod,
-    scoring: Literal["softmax", "sigmoid"],
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = False,
-    routed_scaling_factor: float = 1.0,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate GEMM and the routing in one launch, one program per token; contract as `gate_route`.
-
-    Each program reads the whole gate weight [E, D] (from L2 after the first): worth it for a
-    few tokens only, where the separate GEMM and its [T, E] logits round trip cost more."""
-    assert HAS_TRITON, "gate_route_triton needs triton"
-    assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, D] with contiguous rows, got {tuple(x.shape)}"
-    assert gate.dim() == 2 and gate.shape[1] == x.shape[1] and gate.stride(-1) == 1, (
-        f"gate must be [E, {x.shape[1]}] with contiguous rows, got {tuple(gate.shape)}"
-    )
-    assert x.dtype in LOGIT_DTYPES and gate.dtype in LOGIT_DTYPES, (x.dtype, gate.dtype)
-    assert gate.device == x.device, (gate.device, x.device)
-    (t, d), e = x.shape, gate.shape[0]
-    _check_route_args(e, top_k, method, scoring, n_group, topk_group, bias, x.device)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
-    if t == 0:
-        return weights, ids
-    args = (e, top_k, method, scoring, n_group, topk_group, norm_topk_prob, routed_scaling_factor, bias)
-    scale, constexprs = _route_launch_args(*args)
-    tile = constexprs["G_PAD"] * constexprs["S_PAD"]
-    constexprs["num_warps"] = 4
-    _gate_route_kernel[(t,)](
-        x,
-        gate,
-        x if bias is None else bias,  # unused without bias
-        weights,
-        ids,
-        x.stride(0),
-        gate.stride(0),
-        d,
-        scale,
-        BLOCK_D=max(16, min(triton.next_power_of_2(d), 8192 // tile)),  # a [E_PAD, BLOCK_D] gate tile
-        **constexprs,
-    )
-    return weights, ids
-
-
 def route(
     logits: torch.Tensor,
     top_k: int,
@@ -389,17 +293,15 @@ def gate_route(
     bias: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits and routing: `route(x.float() @ gate.float().T, ...)`, contract as route_ref.
+    """Router logits in float32 and routing: `route(x.float() @ gate.float().T, ...)`.
 
-    x [T, D] and gate [E, D] (bf16/fp16/float32, contiguous rows) -> (weights [T, top_k] float32,
-    ids [T, top_k] int64). On the Triton path, T <= FUSED_MAX_TOKENS runs one fused launch
-    (gate_route_triton); more tokens run the matmul, then route_triton: each fused program
-    re-reads the whole gate weight, which a GEMM reads once. `use_triton` forces the choice."""
-    fused = _use_triton(x, use_triton) and x.dtype in LOGIT_DTYPES and gate.dtype in LOGIT_DTYPES
+    x [T, D], gate [E, D] (the loader keeps it float32) -> (weights [T, top_k] float32, ids [T, top_k]
+    int64). The logits are one GEMM over all tokens: a kernel that also computed them, one program
+    per token, re-read the whole gate per token and measured 48 us per call at T = 1 on an H200,
+    against about 10 us for the GEMM and the routing kernel (benchmarks/results/decode_h200.md)."""
+    logits = F.linear(x.float(), gate.float())  # [T, E]
     args = (top_k, method, scoring, n_group, topk_group, norm_topk_prob, routed_scaling_factor, bias)
-    if fused and x.shape[0] <= FUSED_MAX_TOKENS:
-        return gate_route_triton(x, gate, *args)
-    return route(x.float() @ gate.float().T, *args, use_triton=use_triton)
+    return route(logits, *args, use_triton=use_triton)
 
 
-__all__ = ["gate_route", "gate_route_triton", "route", "route_ref", "route_triton"]
+__all__ = ["gate_route", "route", "route_ref", "route_triton"]

@@ -24,6 +24,7 @@ from mlac.runtime.readpass import FileRead, default_threads, read_files
 from mlac.safetensors_io import SafetensorsFile, dtype_name
 
 KEEP_FLOAT32 = (".scale", ".gate_bias")  # tensor contract: float32 whatever the compute dtype
+ROUTER = ".moe.gate"  # the router computes its logits in float32 (as transformers does)
 
 
 @dataclass(frozen=True)
@@ -146,21 +147,26 @@ def _finish(header: SafetensorsFile | None, dtype: torch.dtype):
     return None if header is None else partial(tensor_views, header, dtype=dtype)
 
 
+VIEW_ALIGN = 16  # bytes: Triton specializes pointers on 16-byte alignment (vectorized loads)
+
+
 def tensor_views(header: SafetensorsFile, data: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors of one file from its bytes `data` (uint8 [file size], any device): views of `data`,
-    except a tensor cast to the compute dtype, or one whose offset is not a multiple of its itemsize
-    (copied out: a view is impossible)."""
+    except a tensor cast to the compute dtype, or one whose offset is not VIEW_ALIGN-aligned
+    (copied out: the kernels' vector loads need aligned rows; mlac's writer aligns all but the odd
+    sizes, see safetensors_io.aligned_order)."""
     out = {}
     for name, info in header.tensors.items():
         raw = data[info.start : info.start + info.nbytes]
-        if info.start % info.dtype.itemsize:
+        if info.start % VIEW_ALIGN:
             raw = raw.clone()  # NOTE: the allocation is aligned, this offset is not
         out[name] = to_compute_dtype(name, raw.view(info.dtype).view(info.shape), dtype)
     return out
 
 
 def to_compute_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The one load-time conversion: non-FP8 floating tensors (but scales and gate_bias) -> dtype."""
+    """The one load-time conversion: non-FP8 floating tensors (but scales and gate_bias) -> dtype;
+    the router's weight -> float32, so that no step casts it."""
     if not t.is_floating_point() or t.element_size() == 1 or name.endswith(KEEP_FLOAT32):
         return t
-    return t.to(dtype)
+    return t.to(torch.float32 if name.endswith(ROUTER) else dtype)

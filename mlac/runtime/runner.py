@@ -46,6 +46,7 @@ from mlac.runtime.step import Step
 __all__ = ["DistributedRunner", "LaunchSpec", "ModelRunner", "RuntimeOptions", "make_cache", "make_runner"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+GRAPH_DTYPES = (torch.bfloat16, torch.float16)  # every kernel of the step is a Triton one
 
 
 class ModelRunner:
@@ -103,7 +104,8 @@ def make_cache(
 @dataclass(frozen=True)
 class RuntimeOptions:
     """How a rank runs an artifact: the KV cache's size (`num_blocks`, else `kv_cache_bytes`, as
-    `make_cache`) and the CUDA graphs of decode steps (on CUDA devices only)."""
+    `make_cache`) and the CUDA graphs of decode steps (on CUDA, in a GRAPH_DTYPES compute dtype:
+    float32 runs parts of the step through torch references that cannot be captured)."""
 
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -197,7 +199,7 @@ def build_runner(
     kv_dtype = loaded.manifest.options.kv_cache_dtype
     cache = make_cache(cfg, device, job.dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype)
     graphs = None
-    if o.cuda_graph and torch.device(device).type == "cuda":
+    if o.cuda_graph and torch.device(device).type == "cuda" and job.dtype in GRAPH_DTYPES:
         max_context = min(cfg.max_position_embeddings, cache.capacity_tokens)
         graphs = DecodeGraphs(model, cache, o.graph_buckets(loaded.manifest), max_context)
         graphs.capture()  # every rank at once: the collectives inside the graphs line up

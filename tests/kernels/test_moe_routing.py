@@ -156,7 +156,7 @@ def test_gpu_route_real_shapes(name, e, top_k, method, scoring, n_group, topk_gr
     _check(logits, b, top_k, method, scoring, n_group, topk_group, norm, scale)
 
 
-# ---- gate_route: the gate GEMM fused into the routing ----------------------------------------
+# ---- gate_route: float32 router logits, then the routing kernel ----------------------------------------
 
 
 def _gate_inputs(t: int, e: int, d: int, dtype, seed: int, device=DEV):
@@ -164,33 +164,6 @@ def _gate_inputs(t: int, e: int, d: int, dtype, seed: int, device=DEV):
     x = torch.randn(t, d, generator=g).to(dtype)
     gate = (torch.randn(e, d, generator=g) * (2 / d**0.5)).to(dtype)
     return x.to(device), gate.to(device)
-
-
-GATE_CASES = [  # T, E, D, top_k, method, scoring, n_group, topk_group, norm, scale, bias
-    (1, 64, 48, 6, "greedy", "softmax", 1, 1, False, 1.0, False),  # V2-Lite's rule
-    (17, 40, 100, 3, "greedy", "sigmoid", 1, 1, False, 2.5, True),
-    (3, 72, 200, 6, "group_limited_greedy", "softmax", 8, 3, False, 16.0, False),  # V2's rule
-    (17, 72, 64, 8, "noaux_tc", "sigmoid", 8, 4, True, 2.5, True),  # V3's rule
-    (3, 256, 40, 8, "noaux_tc", "sigmoid", 8, 4, True, 2.5, True),  # V3's E: BLOCK_D 32, D tail
-]
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("t,e,d,top_k,method,scoring,n_group,topk_group,norm,scale,bias", GATE_CASES)
-def test_gate_route_matches_reference(
-    t, e, d, top_k, method, scoring, n_group, topk_group, norm, scale, bias, dtype
-):
-    """Ids equal route_ref's on the float32 logits x.float() @ gate.float().T (random data: no
-    ties; the kernel's summation order moves a logit by a few ulps), weights to 1e-5."""
-    x, gate = _gate_inputs(t, e, d, dtype, seed=t + e + d)
-    b = _inputs(1, e, True, seed=e)[1] if bias else None
-    args = (top_k, method, scoring, n_group, topk_group, norm, scale, b)
-    with _util.poisoned_empty():
-        weights, ids = routing.gate_route_triton(x, gate, *args)
-    ref_weights, ref_ids = moe_mod.route_ref(x.float() @ gate.float().T, *args)
-    assert torch.equal(ids, ref_ids), (ids, ref_ids)
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=0)
 
 
 @needs_triton
@@ -204,21 +177,6 @@ def test_gate_route_strided_rows_and_mixed_dtypes():
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=0)
 
 
-@needs_triton
-def test_gate_route_many_tokens_uses_matmul_then_route(monkeypatch):
-    """Above FUSED_MAX_TOKENS: the matmul, then route_triton (not the fused kernel)."""
-
-    def no_fused(*args, **kwargs):
-        raise AssertionError("gate_route fused a batch above FUSED_MAX_TOKENS")
-
-    monkeypatch.setattr(routing, "FUSED_MAX_TOKENS", 2)
-    monkeypatch.setattr(routing, "gate_route_triton", no_fused)
-    x, gate = _gate_inputs(3, 64, 32, torch.bfloat16, seed=4)
-    weights, ids = routing.gate_route(x, gate, 6, "greedy", "softmax", use_triton=True)
-    ref_weights, ref_ids = routing.route_triton(x.float() @ gate.float().T, 6, "greedy", "softmax")
-    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
-
-
 def test_gate_route_cpu_dispatch_runs_reference(monkeypatch):
     monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -226,7 +184,6 @@ def test_gate_route_cpu_dispatch_runs_reference(monkeypatch):
     def no_triton(*args, **kwargs):
         raise AssertionError("gate_route picked Triton for CPU tensors")
 
-    monkeypatch.setattr(routing, "gate_route_triton", no_triton)
     monkeypatch.setattr(routing, "route_triton", no_triton)
     x, gate = _gate_inputs(5, 64, 32, torch.bfloat16, seed=5, device="cpu")
     bias = torch.randn(64)
