@@ -25,6 +25,15 @@ C2=$!
 wait $C1 || { tail -5 $W/c1.log; exit 1; }; stamp "compile bf16"
 B="python3 -m mlac.cli bench --no-verify --input-len 64 --output-len 64"
 $B $W/bf16 --batch-sizes ${BATCHES:-1,32,256} --profile --json "$OUT/bench_bf16_graphs.json"; stamp "bench bf16 graphs rc=$?"
-$B $W/bf16 --batch-sizes 1,32 --no-cuda-graph --profile --json "$OUT/bench_bf16_eager.json"; stamp "bench bf16 eager rc=$?"
+[ -n "${EAGER:-}" ] && { $B $W/bf16 --batch-sizes 1,32 --no-cuda-graph --profile --json "$OUT/bench_bf16_eager.json"; stamp "bench bf16 eager rc=$?"; }
 wait $C2 || { tail -5 $W/c2.log; exit 1; }; stamp "compile fp8"; rm -rf $C
 $B $W/fp8 --batch-sizes ${BATCHES:-1,32,256} --profile --json "$OUT/bench_fp8_graphs.json"; stamp "bench fp8 graphs rc=$?"
+if [ -n "${SERVE:-}" ]; then  # the end-to-end yardstick over HTTP
+  for art in $SERVE; do
+    timeout -k 10 ${SERVE_S:-150} python3 benchmarks/serve_gpu.py $W/$art --device cuda --json "$OUT/serve_$art.json" \
+      --log $W/serve-$art.log --batches 1,32,256 --prompt-len 64 --max-tokens 64 --peak-requests 1024 \
+      --peak-prompt-len 128 --peak-max-tokens 128 --max-running-requests 256 --max-queue 1024 \
+      --serve-args "--no-verify --kv-cache-bytes 17179869184" --budget-s $(( ${SERVE_S:-150} - 10 ))
+    stamp "serve $art rc=$?"; grep -i "error\|Traceback" $W/serve-$art.log | tail -3
+  done
+fi

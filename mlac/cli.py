@@ -208,9 +208,11 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
+@click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True,
+              help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
 @friendly_errors
 def generate(
-    out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify
+    out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify, cuda_graph
 ):
     """Load an artifact and print a completion of --prompt."""
     import torch
@@ -381,6 +383,10 @@ def _batch_sizes(text: str) -> list[int]:
 @click.option(
     "--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True, help="Rendezvous port."
 )
+@click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True,
+              help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
+@click.option("--cuda-graph-max-bs", type=click.IntRange(1, 4096), default=256, show_default=True,
+              help="Largest decode batch captured as a CUDA graph (larger batches run eagerly).")  # fmt: skip
 @click.option(
     "--warmup/--no-warmup",
     default=True,
@@ -394,7 +400,7 @@ def _batch_sizes(text: str) -> list[int]:
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
           num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, request_body_timeout, nnodes,
-          node_rank, master_addr, master_port, warmup, log_level, no_verify):  # fmt: skip
+          node_rank, master_addr, master_port, cuda_graph, cuda_graph_max_bs, warmup, log_level, no_verify):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
 
     \b
@@ -418,7 +424,8 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size),
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
-        request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify,
+        request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify, cuda_graph=cuda_graph,
+        cuda_graph_max_bs=cuda_graph_max_bs,
     )  # fmt: skip
     if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
         load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process

@@ -37,6 +37,8 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT  # seconds to receive a whole body
     verify: bool = True
+    cuda_graph: bool = True  # decode steps as CUDA graphs (CUDA, bf16/fp16)
+    cuda_graph_max_bs: int = 256  # the largest decode batch captured
     warmup: bool = True  # run the step shapes once before /health turns ready (CUDA: Triton JIT)
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ def load_engine(config: ServerConfig):
     engine = Engine.from_artifact(
         config.artifact, device=config.device, dtype=getattr(torch, config.dtype), verify=config.verify,
         num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes, launch=config.launch,
-        scheduler_config=config.scheduler,
+        scheduler_config=config.scheduler, cuda_graph=config.cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
     )  # fmt: skip
     if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
         start = time.monotonic()
