@@ -28,6 +28,11 @@ $B $W/bf16 --batch-sizes ${BATCHES:-1,32,256} --profile --json "$OUT/bench_bf16_
 [ -n "${EAGER:-}" ] && { $B $W/bf16 --batch-sizes 1,32 --no-cuda-graph --profile --json "$OUT/bench_bf16_eager.json"; stamp "bench bf16 eager rc=$?"; }
 wait $C2 || { tail -5 $W/c2.log; exit 1; }; stamp "compile fp8"; rm -rf $C
 $B $W/fp8 --batch-sizes ${BATCHES:-1,32,256} --profile --json "$OUT/bench_fp8_graphs.json"; stamp "bench fp8 graphs rc=$?"
+if [ -n "${LOAD:-}" ]; then  # the load phase alone: page cache warm (just written), then cold
+  python3 benchmarks/load_gpu.py $W/bf16 --threads 8 --repeat 2 --json "$OUT/load_bf16_warm.json" | tail -3
+  python3 benchmarks/load_gpu.py $W/bf16 --threads 8 --drop-cache --json "$OUT/load_bf16_cold.json" | tail -3
+  stamp load
+fi
 if [ -n "${SERVE:-}" ]; then  # the end-to-end yardstick over HTTP
   for art in $SERVE; do
     timeout -k 10 ${SERVE_S:-150} python3 benchmarks/serve_gpu.py $W/$art --device cuda --json "$OUT/serve_$art.json" \
