@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `--tp 2` against one GPU on a 2xH200 machine (device tool, kind nvidia-h200-x2): the real-shape
+# V2-Lite synthetic compiled bf16 at tp=1 and tp=2, each measured in process by `mlac bench` with
+# CUDA graphs (NCCL all-reduces inside the graphs). $OUT: bench_tp*.json, log.txt.
+set -uo pipefail
+exec > >(tee -a "$OUT/log.txt") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+W=/tmp/w; C=/dev/shm/ckpt; mkdir -p $W
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 || { tail -5 $W/synth.log; exit 1; }; stamp synth
+python3 -m mlac.cli compile $C $W/tp1 --skip-accuracy-check >$W/c1.log 2>&1 &
+python3 -m mlac.cli compile $C $W/tp2 --tp 2 --skip-accuracy-check >$W/c2.log 2>&1 &
+wait; stamp compile; rm -rf $C
+B="python3 -m mlac.cli bench --no-verify --input-len 64 --output-len 64 --batch-sizes ${BATCHES:-1,32} --profile"
+$B $W/tp1 --json "$OUT/bench_tp1.json"; stamp "bench tp1 rc=$?"
+$B $W/tp2 --json "$OUT/bench_tp2.json"; stamp "bench tp2 rc=$?"
