@@ -12,8 +12,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 || { tail -5 $W/synth.log; exit 1; }; stamp synth
 python3 -m mlac.cli compile $C $W/tp1 --skip-accuracy-check >$W/c1.log 2>&1 &
+P1=$!
 python3 -m mlac.cli compile $C $W/tp2 --tp 2 --skip-accuracy-check >$W/c2.log 2>&1 &
-wait; stamp compile; rm -rf $C
+P2=$!
+wait $P1 $P2 || { tail -3 $W/c1.log $W/c2.log; exit 1; }  # not a bare `wait`: it would wait for tee too
+stamp compile; rm -rf $C
 B="python3 -m mlac.cli bench --no-verify --input-len 64 --output-len 64 --batch-sizes ${BATCHES:-1,32} --profile"
 $B $W/tp1 --json "$OUT/bench_tp1.json"; stamp "bench tp1 rc=$?"
 $B $W/tp2 --json "$OUT/bench_tp2.json"; stamp "bench tp2 rc=$?"
