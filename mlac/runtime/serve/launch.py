@@ -72,8 +72,11 @@ def startup_line(s: dict, verified: bool, kv_dtype: str) -> str:
     verify+load 3.1 s (31.4 GB, 10.1 GB/s), graphs 1.9 s (20 buckets), warm-up 2.0 s; KV cache
     812,032 tokens (fp8_e4m3), max context 163,840, CUDA graphs up to batch 256`."""
     gbps = s["load_gb"] / max(s["load_s"], 1e-9)
-    load = f"{'verify+load' if verified else 'load'} {s['load_s']:.1f} s ({s['load_gb']:.1f} GB, {gbps:.1f} GB/s)"
-    graphs = f"graphs {s['graphs_s']:.1f} s ({s['graph_buckets']} buckets)" if s["graph_buckets"] else "graphs off"
+    what = "verify+load" if verified else "load"
+    load = f"{what} {s['load_s']:.1f} s ({s['load_gb']:.1f} GB, {gbps:.1f} GB/s)"
+    graphs = (
+        f"graphs {s['graphs_s']:.1f} s ({s['graph_buckets']} buckets)" if s["graph_buckets"] else "graphs off"
+    )
     upto = f"up to batch {s['graph_max_bs']}" if s["graph_buckets"] else "off"
     return (
         f"ready in {s['ready_s']:.1f} s: import {s['import_s']:.1f} s, {load}, {graphs}, "
@@ -91,7 +94,9 @@ def check_port(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise MlacError(f"port {port} is in use (on {host}): stop what holds it or pick another --port") from None
+                raise MlacError(
+                    f"port {port} is in use (on {host}): stop what holds it or pick another --port"
+                ) from None
             raise MlacError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
