@@ -168,6 +168,7 @@ class ServerProcess:
                         return {
                             "seconds_to_port_open": round(port_open, 3),
                             "seconds_to_ready": round(ready, 3),
+                            "phases": r.json().get("startup"),  # the server's own: import, load, graphs, ...
                         }
                     body = r.json() if r.headers.get("content-type") == "application/json" else {}
                     if body.get("status") == "failed":

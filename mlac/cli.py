@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from mlac.errors import MlacError
+
+PROCESS_START = time.monotonic()  # the start-up log's import phase counts from here
 
 
 def friendly_errors(fn):
@@ -37,6 +40,18 @@ def _progress(length: int, label: str):
 
 def _log(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def _memory_options(fn):
+    """--gpu-memory-utilization (alias --mem-fraction-static) and --max-model-len, of the commands
+    that run a model (see mlac/runtime/memory_plan.py)."""
+    fn = click.option("--max-model-len", type=int, default=None,
+                      help="Cap the context (default: the model's max_position_embeddings).")(fn)  # fmt: skip
+    return click.option(
+        "--gpu-memory-utilization", "--mem-fraction-static", "gpu_memory_utilization", type=float, default=0.9,
+        show_default=True, help="CUDA: fraction of the GPU's memory to use; the KV cache takes what the weights, "
+        "CUDA graphs and activations of the artifact's memory plan leave of it.",
+    )(fn)  # fmt: skip
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -205,24 +220,24 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 means off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same output).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is present).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
 @click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True,
               help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
+@_memory_options
 @friendly_errors
-def generate(
-    out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify, cuda_graph
-):
+def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify,
+             cuda_graph, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Load an artifact and print a completion of --prompt."""
     import torch
 
     from mlac.runtime.device import check_device
     from mlac.runtime.engine import Engine
 
-    engine = Engine.from_artifact(
-        out_dir, device=check_device(device), dtype=getattr(torch, dtype), verify=not no_verify
-    )
+    engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
+                                  verify=not no_verify, cuda_graph=cuda_graph, max_model_len=max_model_len,
+                                  gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
     if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -256,15 +271,16 @@ def generate(
 @click.option("--cuda-graph-max-bs", type=click.IntRange(1, 4096), default=256, show_default=True,
               help="Largest decode batch captured as a CUDA graph.")  # fmt: skip
 @click.option("--num-blocks", type=click.IntRange(1), default=None,
-              help="KV cache blocks of 16 tokens (default: what the largest batch needs).")  # fmt: skip
+              help="KV cache blocks of 16 tokens (default: CUDA, the memory plan; CPU, what the largest batch needs).")  # fmt: skip
 @click.option("--no-verify", is_flag=True, help="Trusted storage: check file sizes only, skip sha256.")
 @click.option("--profile", is_flag=True, help="Also profile decode steps of the smallest batch (CUDA).")
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here."
 )
+@_memory_options
 @friendly_errors
 def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph, cuda_graph_max_bs, num_blocks,
-          no_verify, profile, json_path):  # fmt: skip
+          no_verify, profile, json_path, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Prefill and decode speed of OUT_DIR per batch size, against the bandwidth roofline.
 
     \b
@@ -279,11 +295,13 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
 
     sizes = _batch_sizes(batch_sizes)
     device = check_device(device)
-    blocks = num_blocks or max(sizes) * -(-(input_len + output_len) // 16) + 1
+    if num_blocks is None and device == "cpu":
+        num_blocks = max(sizes) * -(-(input_len + output_len) // 16) + 1
     sched = SchedulerConfig(max_running_requests=max(sizes), chunked_prefill_size=max(2048, input_len))
     engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype), verify=not no_verify,
-                                  num_blocks=blocks, scheduler_config=sched, cuda_graph=cuda_graph,
-                                  cuda_graph_max_bs=cuda_graph_max_bs)  # fmt: skip
+                                  num_blocks=num_blocks, scheduler_config=sched, cuda_graph=cuda_graph,
+                                  cuda_graph_max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
+                                  gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
     with engine:
         bandwidth, results = b.bench(engine, sizes, input_len, output_len, progress=_log)
         click.echo(b.table(bandwidth, results))
@@ -322,7 +340,7 @@ def _batch_sizes(text: str) -> list[int]:
     default=None,
     help="Require 'Authorization: Bearer KEY' on /v1 routes (default: env MLAC_API_KEY).",
 )
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is present).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option(
     "--max-running-requests",
@@ -342,7 +360,7 @@ def _batch_sizes(text: str) -> list[int]:
     "--kv-cache-bytes",
     type=int,
     default=None,
-    help="KV cache budget in bytes (default 1 GiB, capped at 4 full contexts).",
+    help="KV cache budget in bytes (default: CUDA, the memory plan; CPU, 1 GiB capped at 4 full contexts).",
 )
 @click.option(
     "--num-blocks",
@@ -397,10 +415,12 @@ def _batch_sizes(text: str) -> list[int]:
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 @click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
+@_memory_options
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
           num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, request_body_timeout, nnodes,
-          node_rank, master_addr, master_port, cuda_graph, cuda_graph_max_bs, warmup, log_level, no_verify):  # fmt: skip
+          node_rank, master_addr, master_port, cuda_graph, cuda_graph_max_bs, warmup, log_level, no_verify,
+          gpu_memory_utilization, max_model_len):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
 
     \b
@@ -425,7 +445,8 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
         request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify, cuda_graph=cuda_graph,
-        cuda_graph_max_bs=cuda_graph_max_bs,
+        cuda_graph_max_bs=cuda_graph_max_bs, gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=max_model_len, process_start=PROCESS_START,
     )  # fmt: skip
     if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
         load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process

@@ -6,7 +6,7 @@ import pytest
 
 from mlac.artifact import BucketPlan
 from mlac.errors import MlacError
-from mlac.runtime.memory_plan import RESERVE_BYTES, plan_kv_cache
+from mlac.runtime.memory_plan import RESERVE_BYTES, plan_kv_cache, plan_ranks
 
 GiB, MiB = 1 << 30, 1 << 20
 V3_CONTEXT = 163840
@@ -110,3 +110,12 @@ def test_summary_line():
         "KV cache: 31,120 tokens (1,945 blocks of 16, 1.90 GiB), max context 31,120, CUDA graphs: 3 buckets"
     )
     assert "CUDA graphs: off" in kv(cuda_graphs=False).summary()
+
+
+def test_every_rank_gets_the_smallest_ranks_plan():
+    # rank 0 holds 1 GiB more weights than rank 1: its 60,928 blocks bind both (see above)
+    p = plan_ranks(PLAN, 80 * GiB, max_position_embeddings=V3_CONTEXT, block_size=16)
+    assert p == kv(rank=0) and p.num_blocks < kv(rank=1).num_blocks
+    heavy_rank_1 = PLAN.model_copy(update={"weight_bytes": [9 * GiB, 10 * GiB]})
+    q = plan_ranks(heavy_rank_1, 80 * GiB, max_position_embeddings=V3_CONTEXT, block_size=16)
+    assert q.num_blocks == 60928

@@ -74,6 +74,7 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         manifest: Manifest | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        max_model_len: int | None = None,
     ):
         self.config = config
         self.runner = runner
@@ -82,6 +83,9 @@ class Engine:
         self.manifest = manifest
         self.device = runner.device
         self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.max_model_len = max_model_len  # caps max_context (None: the model's max_position_embeddings)
+        # the start's phases in seconds and sizes (the runner's load and graphs; the server adds more)
+        self.startup: dict[str, float] = dict(getattr(runner, "startup", {}))
         self._seq_ids = itertools.count()
 
     # ---- construction ------------------------------------------------------------------------
@@ -100,19 +104,24 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         cuda_graph: bool = True,
         cuda_graph_max_bs: int = 256,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
     ) -> Engine:
         """Verify (sizes, and sha256 unless verify=False) and load an artifact; size the KV cache
-        from `num_blocks`, else from `kv_cache_bytes` (default 1 GiB, capped at what four
-        sequences of max_position_embeddings tokens need), in the artifact's kv_cache_dtype.
-        On CUDA, decode steps of up to `cuda_graph_max_bs` sequences run as CUDA graphs
-        (captured here) unless `cuda_graph` is False. `launch` says how the ranks of a
-        multi-rank artifact find each other (see runner.make_runner)."""
+        from `num_blocks`, else from `kv_cache_bytes`, else on CUDA from the artifact's memory plan
+        (what `gpu_memory_utilization` of the GPU leaves after weights, graphs and activations,
+        decided before loading: MlacError when nothing fits), else (CPU) 1 GiB capped at what four
+        sequences of max_position_embeddings tokens need; in the artifact's kv_cache_dtype.
+        `max_model_len` caps max_context. On CUDA, decode steps of up to `cuda_graph_max_bs`
+        sequences run as CUDA graphs (captured here) unless `cuda_graph` is False. `launch` says
+        how the ranks of a multi-rank artifact find each other (see runner.make_runner)."""
         manifest = Manifest.load(path)
-        options = RuntimeOptions(num_blocks, kv_cache_bytes, block_size, cuda_graph, cuda_graph_max_bs)
+        options = RuntimeOptions(num_blocks, kv_cache_bytes, block_size, cuda_graph, cuda_graph_max_bs,
+                                 gpu_memory_utilization, max_model_len)  # fmt: skip
         runner = make_runner(path, manifest, device, dtype, verify, launch=launch, options=options)
         tok_dir = Path(path) / TOKENIZER_DIR
         tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
-        return cls(manifest.model, runner, tokenizer, manifest, scheduler_config)
+        return cls(manifest.model, runner, tokenizer, manifest, scheduler_config, max_model_len)
 
     @classmethod
     def from_tensors(
@@ -150,7 +159,7 @@ class Engine:
     @property
     def max_context(self) -> int:
         """Most tokens (prompt + completion) one sequence may hold."""
-        return min(self.config.max_position_embeddings, self.cache.capacity_tokens)
+        return min(self.max_model_len or self.config.max_position_embeddings, self.cache.capacity_tokens)
 
     def _check_prompt(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -162,6 +171,8 @@ class Engine:
         max_pos = self.config.max_position_embeddings
         if len(ids) > max_pos:
             raise MlacError(f"prompt of {len(ids)} tokens exceeds max_position_embeddings={max_pos}")
+        if self.max_model_len is not None and len(ids) > self.max_model_len:
+            raise MlacError(f"prompt of {len(ids)} tokens exceeds max_model_len={self.max_model_len}")
         if len(ids) > self.cache.capacity_tokens:
             raise MlacError(
                 f"prompt of {len(ids)} tokens exceeds the KV cache ({self.cache.capacity_tokens} tokens)"

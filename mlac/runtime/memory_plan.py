@@ -16,14 +16,20 @@ On one rank, with util = --gpu-memory-utilization:
 RESERVE_BYTES (1 GiB) covers what no plan counts: the CUDA context and cuBLAS workspaces
 (about 0.5 GiB on an H100/H200), NCCL buffers, Triton's loaded kernels and fragmentation.
 A budget with no room for one block refuses to start, naming the numbers in GiB.
+
+A multi-rank artifact allocates one block count on every rank (rank 0's allocator drives them
+all): `plan_ranks` is the smallest of the ranks' plans on one GPU's memory (the ranks of a node
+have identical GPUs). An artifact compiled before the buckets pass gets the plan that pass would
+have written, from its manifest (`bucket_plan`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlac.artifact import BucketPlan
+from mlac.artifact import BucketPlan, Manifest
 from mlac.errors import MlacError
+from mlac.passes.buckets import plan_buckets
 
 GiB = 1 << 30
 RESERVE_BYTES = 1 * GiB
@@ -93,6 +99,31 @@ def plan_kv_cache(
     )  # fmt: skip
 
 
+def plan_ranks(plan: BucketPlan, total_bytes: int, **kw) -> KVPlan:
+    """The KV plan every rank can hold: the smallest of plan_kv_cache over the plan's ranks, each
+    on the same GPU memory (`kw`: plan_kv_cache's other arguments). Raises as plan_kv_cache."""
+    plans = [plan_kv_cache(plan, rank, total_bytes, **kw) for rank in range(len(plan.weight_bytes))]
+    return min(plans, key=lambda p: p.num_blocks)
+
+
+def bucket_plan(manifest: Manifest) -> BucketPlan:
+    """The artifact's memory plan: manifest.buckets, or for an artifact compiled before the buckets
+    pass, the plan that pass computes from the manifest's config, options and tensor entries."""
+    if manifest.buckets is not None:
+        return manifest.buckets
+    return plan_buckets(manifest.model, manifest.options, manifest.tensors)
+
+
+def check_max_model_len(max_model_len: int | None, max_pos: int) -> int:
+    """The context the user asked for: `max_model_len` (1..max_pos), else max_pos."""
+    if max_model_len is not None and not 1 <= max_model_len <= max_pos:
+        raise MlacError(
+            f"--max-model-len {max_model_len}: must be in 1..{max_pos:,} "
+            "(the model's max_position_embeddings)"
+        )
+    return max_model_len or max_pos
+
+
 def _check(
     plan: BucketPlan, rank: int, max_pos: int, block_size: int, util: float, max_model_len: int | None
 ) -> int:
@@ -103,12 +134,7 @@ def _check(
         raise MlacError(f"KV block size {block_size}: must be at least 1")
     if not 0 <= rank < len(plan.weight_bytes):
         raise MlacError(f"rank {rank}: the artifact's memory plan has {len(plan.weight_bytes)} rank(s)")
-    if max_model_len is not None and not 1 <= max_model_len <= max_pos:
-        raise MlacError(
-            f"--max-model-len {max_model_len}: must be in 1..{max_pos:,} "
-            "(the model's max_position_embeddings)"
-        )
-    return max_model_len or max_pos
+    return check_max_model_len(max_model_len, max_pos)
 
 
 def _fixed(plan: BucketPlan, rank: int, cuda_graphs: bool) -> dict[str, int]:

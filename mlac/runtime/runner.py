@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import logging
 import signal
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +41,14 @@ from mlac.runtime.graphs import DecodeGraphs
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Weights
 from mlac.runtime.loader import check_files, load_artifact
+from mlac.runtime.memory_plan import KVPlan, bucket_plan, check_max_model_len, plan_ranks
 from mlac.runtime.model import DeepseekModel
 from mlac.runtime.parallel import SINGLE, ParallelContext
 from mlac.runtime.step import Step
 
 __all__ = ["DistributedRunner", "LaunchSpec", "ModelRunner", "RuntimeOptions", "make_cache", "make_runner"]
+
+log = logging.getLogger("mlac.runtime")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 GRAPH_DTYPES = (torch.bfloat16, torch.float16)  # every kernel of the step is a Triton one
@@ -53,10 +58,18 @@ class ModelRunner:
     """Runs forward steps of one rank's model over its paged KV cache: decode steps through the
     CUDA graphs when it has them and the batch fits a bucket, every other step eagerly."""
 
-    def __init__(self, model: DeepseekModel, cache: PagedKVCache, graphs: DecodeGraphs | None = None):
+    def __init__(
+        self,
+        model: DeepseekModel,
+        cache: PagedKVCache,
+        graphs: DecodeGraphs | None = None,
+        startup: dict[str, float] | None = None,
+    ):
         self.model = model
         self.cache = cache
         self.graphs = graphs
+        # what the start cost, for the start-up log: load_s, load_gb (build_runner), graphs_s
+        self.startup = startup or {}
 
     @property
     def device(self) -> torch.device:
@@ -91,8 +104,9 @@ def make_cache(
     block_size: int = 16,
     kv_dtype: str = "bf16",
 ) -> PagedKVCache:
-    """`num_blocks`, else a byte budget (default 1 GiB, capped at 4 sequences of max context);
-    `kv_dtype` is the artifact's options.kv_cache_dtype."""
+    """`num_blocks`, else a byte budget (default 1 GiB, capped at 4 sequences of max context: the
+    CPU default; on CUDA make_runner passes the memory plan's num_blocks); `kv_dtype` is the
+    artifact's options.kv_cache_dtype."""
     if num_blocks is None and kv_cache_bytes is not None:
         return PagedKVCache.from_budget(config, kv_cache_bytes, block_size, dtype, device, kv_dtype)
     if num_blocks is None:
@@ -104,18 +118,27 @@ def make_cache(
 @dataclass(frozen=True)
 class RuntimeOptions:
     """How a rank runs an artifact: the KV cache's size (`num_blocks`, else `kv_cache_bytes`, as
-    `make_cache`) and the CUDA graphs of decode steps (on CUDA, in a GRAPH_DTYPES compute dtype:
-    float32 runs parts of the step through torch references that cannot be captured)."""
+    `make_cache`; on CUDA with neither, the memory plan under `gpu_memory_utilization`, see
+    `plan_kv`), the longest context (`max_model_len`, default the model's) and the CUDA graphs of
+    decode steps (on CUDA, in a GRAPH_DTYPES compute dtype: float32 runs parts of the step through
+    torch references that cannot be captured)."""
 
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     block_size: int = 16
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.cuda_graph_max_bs <= MAX_GRAPH_BS:
             raise MlacError(f"cuda_graph_max_bs={self.cuda_graph_max_bs}: must be in [1, {MAX_GRAPH_BS}]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise MlacError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
+
+    def graphs_on(self, device: torch.device | str, dtype: torch.dtype) -> bool:
+        return self.cuda_graph and torch.device(device).type == "cuda" and dtype in GRAPH_DTYPES
 
     def graph_buckets(self, manifest: Manifest) -> list[int]:
         """The artifact's decode buckets (the buckets pass's, or its default ladder for an
@@ -143,14 +166,41 @@ def make_runner(
     torchrun every process calls make_runner. Rank 0 gets a DistributedRunner once every rank
     has loaded. Any other rank serves steps inside this call until rank 0 closes, then exits its
     process with sys.exit(0) (or 1 after a failure): code after make_runner runs on rank 0 only.
-    Refuses (MlacError) a launch that does not fit the artifact's plan.
+    Refuses (MlacError) a launch that does not fit the artifact's plan, and, before anything is
+    loaded, a KV cache that does not fit (plan_kv).
     """
     world = plan_world(manifest.plan, launch)
     options = options or RuntimeOptions()
+    check_max_model_len(options.max_model_len, manifest.model.max_position_embeddings)
+    here = torch.device(device) if world.size == 1 else rank_device(world, device)
+    planned = plan_kv(manifest, here, dtype, options)
+    if planned is not None:  # every rank gets the same block count (RankJob.fingerprint checks it)
+        options = replace(options, num_blocks=planned.num_blocks)
     if world.size == 1:
         return build_runner(RankJob(str(path), str(device), dtype, verify, options), rank=0)
     check_local_ranks(Path(path), manifest, world)
     return run_rank(RankJob(str(path), torch.device(device).type, dtype, verify, options), world)
+
+
+def plan_kv(
+    manifest: Manifest, device: torch.device, dtype: torch.dtype, options: RuntimeOptions
+) -> KVPlan | None:
+    """On CUDA with neither num_blocks nor kv_cache_bytes: the KV blocks of the artifact's memory
+    plan (memory_plan.py), on `device`'s memory measured now, before any weight is loaded; its
+    warnings are logged. None elsewhere (make_cache's default then). Every rank gets the smallest
+    of the ranks' plans, computed here from this GPU's memory: the ranks of a node have identical
+    GPUs, and every node's process plans alike (a node that differs fails the fingerprint check)."""
+    if device.type != "cuda" or options.num_blocks is not None or options.kv_cache_bytes is not None:
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    kv = plan_ranks(
+        bucket_plan(manifest), total, max_position_embeddings=manifest.model.max_position_embeddings,
+        block_size=options.block_size, gpu_memory_utilization=options.gpu_memory_utilization,
+        max_model_len=options.max_model_len, free_bytes=free, cuda_graphs=options.graphs_on(device, dtype),
+    )  # fmt: skip
+    for warning in kv.warnings:
+        log.warning(warning)
+    return kv
 
 
 def check_local_ranks(root: Path, manifest: Manifest, world: World) -> None:
@@ -191,6 +241,7 @@ def build_runner(
     `group` joins the ranks of a multi-rank artifact (None for one rank)."""
     device = job.device if device is None else device
     loaded = load_artifact(job.path, rank=rank, device=device, dtype=job.dtype, verify=job.verify)
+    startup = {"load_s": loaded.stats.seconds, "load_gb": loaded.stats.bytes / 1e9}
     cfg, plan = loaded.manifest.model, loaded.manifest.plan
     ctx = SINGLE if group is None else ParallelContext(rank, plan.tp, plan.ep, group)
     source = job.path if plan.world_size == 1 else f"{job.path} (rank {rank})"
@@ -199,11 +250,13 @@ def build_runner(
     kv_dtype = loaded.manifest.options.kv_cache_dtype
     cache = make_cache(cfg, device, job.dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype)
     graphs = None
-    if o.cuda_graph and torch.device(device).type == "cuda" and job.dtype in GRAPH_DTYPES:
-        max_context = min(cfg.max_position_embeddings, cache.capacity_tokens)
+    if o.graphs_on(device, job.dtype):
+        start = time.perf_counter()
+        max_context = min(o.max_model_len or cfg.max_position_embeddings, cache.capacity_tokens)
         graphs = DecodeGraphs(model, cache, o.graph_buckets(loaded.manifest), max_context)
         graphs.capture()  # every rank at once: the collectives inside the graphs line up
-    return ModelRunner(model, cache, graphs)
+        startup["graphs_s"] = time.perf_counter() - start
+    return ModelRunner(model, cache, graphs, startup)
 
 
 def run_rank(
@@ -268,6 +321,10 @@ class DistributedRunner:
     @property
     def graphs(self) -> DecodeGraphs | None:
         return self.local.graphs
+
+    @property
+    def startup(self) -> dict[str, float]:
+        return self.local.startup  # rank 0's
 
     def run(self, step: Step) -> torch.Tensor:
         """As ModelRunner.run, on every rank."""

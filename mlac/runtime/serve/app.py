@@ -121,7 +121,7 @@ class Api:
             return JSONResponse({"status": "failed", "error": str(loop.load_error)}, status_code=503)
         if not loop.ready or draining:
             return JSONResponse({"status": "draining" if draining else "loading"}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "startup": getattr(loop.engine, "startup", None)}  # launch.record_startup
 
     async def metrics(self):
         m = self.state.metrics

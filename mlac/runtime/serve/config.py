@@ -25,7 +25,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    device: str = "cpu"
+    device: str = "cpu"  # the CLI passes check_device(--device): cuda when a GPU is present
     dtype: str = "bfloat16"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_blocks: int | None = None
@@ -40,6 +40,9 @@ class ServerConfig:
     cuda_graph: bool = True  # decode steps as CUDA graphs (CUDA, bf16/fp16)
     cuda_graph_max_bs: int = 256  # the largest decode batch captured
     warmup: bool = True  # run the step shapes once before /health turns ready (CUDA: Triton JIT)
+    gpu_memory_utilization: float = 0.9  # CUDA: the KV cache takes what this leaves (memory_plan.py)
+    max_model_len: int | None = None  # caps the context (default: the model's max_position_embeddings)
+    process_start: float | None = None  # time.monotonic() at process start: the start-up log's import phase
 
     def __post_init__(self) -> None:
         lows = (("max_queue", 0), ("drain_timeout", 0), ("max_body_bytes", 1))
@@ -50,6 +53,10 @@ class ServerConfig:
             raise MlacError(f"port={self.port!r}: must be in [0, 65535]")
         if not self.request_body_timeout > 0:
             raise MlacError(f"request_body_timeout={self.request_body_timeout!r}: must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise MlacError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise MlacError(f"--max-model-len {self.max_model_len}: must be at least 1")
 
     @property
     def model_name(self) -> str:

@@ -9,6 +9,7 @@ it cuts what is left.
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -29,26 +30,85 @@ DRAIN_GRACE = 5.0  # seconds after the drain timeout for the error answers to be
 
 
 def load_engine(config: ServerConfig):
-    """Engine.from_artifact as the config says (runs on the engine thread)."""
+    """Engine.from_artifact as the config says (runs on the engine thread), then the warm-up;
+    fills engine.startup (the phases, see startup_line, also in /health) and logs startup_line."""
     import torch
 
     from mlac.runtime.engine import Engine
 
+    start = time.monotonic()
     engine = Engine.from_artifact(
         config.artifact, device=config.device, dtype=getattr(torch, config.dtype), verify=config.verify,
         num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes, launch=config.launch,
         scheduler_config=config.scheduler, cuda_graph=config.cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
+        gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len,
     )  # fmt: skip
+    warm = time.monotonic()
     if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
-        start = time.monotonic()
         try:
-            shapes = engine.warmup()
+            engine.warmup()
         except BaseException:
             engine.close()
             raise
-        if shapes:
-            log.info("warm-up: %d batch shapes in %.1f s", len(shapes), time.monotonic() - start)
+    origin = start if config.process_start is None else config.process_start
+    record_startup(engine, start - origin, time.monotonic() - warm, time.monotonic() - origin)
+    log.info(startup_line(engine.startup, verified=config.verify, kv_dtype=engine.cache.kv_dtype))
     return engine
+
+
+def record_startup(engine, import_s: float, warmup_s: float, ready_s: float) -> None:
+    """Add the server's phases and the engine's sizes to engine.startup (seconds rounded to ms)."""
+    graphs = engine.runner.graphs
+    engine.startup.update(
+        import_s=import_s, warmup_s=warmup_s, ready_s=ready_s, kv_tokens=engine.cache.capacity_tokens,
+        max_context=engine.max_context, graph_buckets=len(graphs.buckets) if graphs is not None else 0,
+        graph_max_bs=max(graphs.buckets) if graphs is not None else 0,
+    )  # fmt: skip
+    engine.startup.update({k: round(v, 3) for k, v in engine.startup.items() if isinstance(v, float)})
+
+
+def startup_line(s: dict, verified: bool, kv_dtype: str) -> str:
+    """The one start-up summary line of engine.startup, e.g. `ready in 9.8 s: import 1.2 s,
+    verify+load 3.1 s (31.4 GB, 10.1 GB/s), graphs 1.9 s (20 buckets), warm-up 2.0 s; KV cache
+    812,032 tokens (fp8_e4m3), max context 163,840, CUDA graphs up to batch 256`."""
+    gbps = s["load_gb"] / max(s["load_s"], 1e-9)
+    what = "verify+load" if verified else "load"
+    load = f"{what} {s['load_s']:.1f} s ({s['load_gb']:.1f} GB, {gbps:.1f} GB/s)"
+    graphs = (
+        f"graphs {s['graphs_s']:.1f} s ({s['graph_buckets']} buckets)" if s["graph_buckets"] else "graphs off"
+    )
+    upto = f"up to batch {s['graph_max_bs']}" if s["graph_buckets"] else "off"
+    return (
+        f"ready in {s['ready_s']:.1f} s: import {s['import_s']:.1f} s, {load}, {graphs}, "
+        f"warm-up {s['warmup_s']:.1f} s; KV cache {s['kv_tokens']:,} tokens ({kv_dtype}), "
+        f"max context {s['max_context']:,}, CUDA graphs {upto}"
+    )
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse, before the model loads, a port that another process listens on (uvicorn binds the
+    same way: SO_REUSEADDR, so a port in TIME_WAIT is not refused)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise MlacError(
+                    f"port {port} is in use (on {host}): stop what holds it or pick another --port"
+                ) from None
+            raise MlacError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def log_to_stderr(level: str) -> None:
+    """mlac's loggers (mlac.server, mlac.runtime) print at `level` as uvicorn's do, unless the
+    application configured them already."""
+    root = logging.getLogger("mlac")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level.upper())
 
 
 class DrainingServer(uvicorn.Server):
@@ -108,6 +168,8 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
     from mlac.artifact import Manifest
 
     Manifest.load(config.artifact)  # a bad artifact fails here, before the port is opened
+    check_port(config.host, config.port)  # and a busy port, before the model loads
+    log_to_stderr(log_level)
     server = make_server(config, log_level)
     # uvicorn re-raises the signal that stopped it once it has drained; a drained server exits 0
     drained = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
