@@ -40,6 +40,7 @@ class ServerConfig:
     cuda_graph: bool = True  # decode steps as CUDA graphs (CUDA, bf16/fp16)
     cuda_graph_max_bs: int = 256  # the largest decode batch captured
     warmup: bool = True  # run the step shapes once before /health turns ready (CUDA: Triton JIT)
+    require_prepared: bool = False  # on a GPU, refuse to start without a kernel cache of its signature
 
     def __post_init__(self) -> None:
         lows = (("max_queue", 0), ("drain_timeout", 0), ("max_body_bytes", 1))

@@ -38,6 +38,7 @@ def load_engine(config: ServerConfig):
         config.artifact, device=config.device, dtype=getattr(torch, config.dtype), verify=config.verify,
         num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes, launch=config.launch,
         scheduler_config=config.scheduler, cuda_graph=config.cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
+        kernel_cache="require" if config.require_prepared else "use",
     )  # fmt: skip
     if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
         start = time.monotonic()
