@@ -12,7 +12,9 @@ Atomic: the cache is built in `.cache.tmp-<pid>/` and the new manifest in `manif
 was, and the next prepare removes the dead process's folder. Then the folder is renamed into place
 (the target's old cache renamed aside first), manifest.json replaced, and manifest.sha256 last.
 NOTE: a kill between those renames (milliseconds) leaves an artifact that `verify` refuses; prepare
-it again.
+it again. NOTE: a kernel that this process compiled before `prepare` (held in Triton's memory) is
+not written to the fresh directory: run prepare in a process that has run no Triton kernel (the
+CLI does; `compile --prepare` compiles on the CPU first).
 """
 
 from __future__ import annotations
