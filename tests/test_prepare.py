@@ -258,37 +258,45 @@ def test_require_prepared_refuses_an_artifact_without_caches(art, on_gpu):
 
 # ---- a real Triton compile (an sm90 target compiles on CPU; it is not run) ----------------------
 
+COMPILE_SM90 = r"""
+import json
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mlac.runtime.jit_compiles import JitCompiles
 
-def _compile_sm90():
-    """Compile a small kernel for sm90 through triton.compile (Triton's cache directory applies)."""
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+@triton.jit
+def copy_kernel(x, y, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < n), mask=i < n)
 
-    @triton.jit
-    def copy_kernel(x, y, n, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        tl.store(y + i, tl.load(x + i, mask=i < n), mask=i < n)
-
-    sig = {"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"}
-    triton.compile(
-        ASTSource(copy_kernel, signature=sig, constexprs={"BLOCK": 16}), target=GPUTarget("cuda", 90, 32)
-    )
+sig = {"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+with JitCompiles() as jit:
+    triton.compile(ASTSource(copy_kernel, signature=sig, constexprs={"BLOCK": 16}), target=GPUTarget("cuda", 90, 32))
+print(json.dumps({"compiled": jit.compiled, "loaded": jit.loaded}))
+"""
 
 
-def test_a_prepared_triton_kernel_is_loaded_not_compiled(art, on_gpu):
+def compile_sm90(where: Path) -> dict:
+    """In a fresh process (this one's Triton may be in interpreter mode), with this process's
+    TRITON_CACHE_DIR: which kernels Triton compiled and which it loaded from its cache."""
+    script = where / "compile_sm90.py"  # a file: @triton.jit reads the kernel's source
+    script.write_text(COMPILE_SM90)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_prepared_triton_kernel_is_loaded_not_compiled(art, on_gpu, tmp_path):
     pytest.importorskip("triton")
-    from mlac.runtime.jit_compiles import JitCompiles
-
-    with JitCompiles() as jit:
-        prep.prepare(art, warm=lambda *args: _compile_sm90())
-    assert jit.compiled == ["copy_kernel"] and jit.loaded == []  # the counter sees a compile
+    seen = []
+    prep.prepare(art, warm=lambda *args: seen.append(compile_sm90(tmp_path)))
+    assert seen == [{"compiled": ["copy_kernel"], "loaded": []}]  # the counter sees a compile
     assert any(f.path.endswith("/__grp__copy_kernel.json") for f in Manifest.load(art).files)
     kc.use_kernel_cache(art, Manifest.load(art), "cuda")
-    with JitCompiles() as jit:
-        _compile_sm90()
-    assert jit.compiled == [] and jit.loaded == ["copy_kernel"]
+    assert compile_sm90(tmp_path) == {"compiled": [], "loaded": ["copy_kernel"]}
 
 
 # ---- on a GPU: a prepared artifact compiles nothing at start or in requests ---------------------
