@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -111,6 +112,32 @@ class FileEntry(Frozen):
     sha256: str
 
 
+class TargetSignature(Frozen):
+    """What a compiled kernel depends on: a kernel cache is used only where every field is equal."""
+
+    gpu_name: str  # torch.cuda.get_device_properties().name, e.g. "NVIDIA H200"
+    compute_capability: str  # "9.0"
+    cuda: str | None  # torch.version.cuda
+    driver: str | None  # the NVIDIA driver version (nvidia-smi), None where it could not be read
+    torch: str  # without the local part ("2.11.0", not "2.11.0+cu130")
+    triton: str | None
+
+    def label(self) -> str:
+        """A short name for messages: "sm90/NVIDIA H200/triton 3.6.0"."""
+        return f"sm{self.compute_capability.replace('.', '')}/{self.gpu_name}/triton {self.triton}"
+
+
+class KernelCache(Frozen):
+    """One target's compile caches, added by `mlac prepare`: Triton's cache directory, stored under
+    `path` (cache/<key>/triton); its files are listed (hashed) in Manifest.files like every file."""
+
+    key: str  # target_key(signature): the folder name under cache/
+    signature: TargetSignature
+    path: str  # relative, POSIX: cache/<key>/triton
+    files: int
+    bytes: int
+
+
 class Manifest(Frozen):
     schema_version: Literal[1] = SCHEMA_VERSION
     mlac_version: str
@@ -128,6 +155,7 @@ class Manifest(Frozen):
     # tensors[rank][name]: every tensor a rank must load, checked strictly at load
     tensors: list[dict[str, TensorEntry]] = Field(min_length=1)
     files: list[FileEntry]
+    caches: list[KernelCache] = []  # compile caches per GPU target, sorted by key (`mlac prepare`)
 
     def rank_dir(self, rank: int) -> str:
         return rank_dir(rank, self.plan.world_size)
@@ -162,6 +190,11 @@ class Manifest(Frozen):
             raise MlacError(f"{path}: invalid manifest at {where}: {err['msg']}") from None
         for entry in manifest.files:
             check_inside(entry.path, path)
+        for cache in manifest.caches:
+            if cache.path != cache_path(cache.key) or "/" in cache.key or cache.key in ("", ".", ".."):
+                raise MlacError(
+                    f"{path}: kernel cache {cache.key!r} at {cache.path!r}, not {CACHE_DIR}/<key>/triton"
+                )
         return manifest
 
 
@@ -205,6 +238,38 @@ def verify_files(
             raise MlacError(f"{entry.path}: sha256 does not match the manifest (file modified or corrupt)")
         if progress is not None:
             progress(entry.size)
+
+
+# -- kernel caches: one per GPU target, under cache/<key>/ ------------------------------------------
+
+CACHE_DIR = "cache"
+
+
+def target_key(sig: TargetSignature) -> str:
+    """The folder name of a target's caches: "sm90-nvidia-h200-triton3.6.0-torch2.11.0-cu13.0"
+    (lowercase letters, digits, dots and dashes). The driver is not in it: a target prepared again
+    under another driver replaces its cache."""
+    slug = lambda s: re.sub(r"[^a-z0-9.]+", "-", str(s).lower()).strip("-.") or "none"  # noqa: E731
+    sm = sig.compute_capability.replace(".", "")
+    return f"sm{slug(sm)}-{slug(sig.gpu_name)}-triton{slug(sig.triton)}-torch{slug(sig.torch)}-cu{slug(sig.cuda)}"
+
+
+def cache_path(key: str) -> str:
+    """Where a target's Triton cache lies in the artifact."""
+    return f"{CACHE_DIR}/{key}/triton"
+
+
+def signature_differences(cached: TargetSignature, here: TargetSignature) -> list[tuple[str, Any, Any]]:
+    """(field, value in the cache, value here) for every field that differs, in field order."""
+    fields = TargetSignature.model_fields
+    return [
+        (f, getattr(cached, f), getattr(here, f)) for f in fields if getattr(cached, f) != getattr(here, f)
+    ]
+
+
+def cache_files(manifest: Manifest, cache: KernelCache) -> list[FileEntry]:
+    """The manifest's files of one kernel cache (those under cache.path/)."""
+    return [f for f in manifest.files if f.path.startswith(cache.path + "/")]
 
 
 def manifest_json_schema() -> str:

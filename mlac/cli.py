@@ -1,4 +1,4 @@
-"""mlac command line: compile, inspect, verify, synth, generate, serve, demo.
+"""mlac command line: compile, prepare, inspect, verify, synth, generate, serve, bench, demo.
 
 Thin wiring over the Python API. Every MlacError becomes `error: <message>` on stderr with exit
 code 1 and no traceback.
@@ -54,6 +54,13 @@ def _memory_options(fn):
     )(fn)  # fmt: skip
 
 
+REQUIRE_PREPARED_HELP = "On a GPU, refuse to start without a kernel cache of this GPU's signature (prepare)."
+
+
+def _cache_mode(require_prepared: bool) -> str:
+    return "require" if require_prepared else "use"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mlac")
 def main() -> None:
@@ -104,8 +111,11 @@ def main() -> None:
 @click.option(
     "--force", is_flag=True, help="Replace OUT_DIR if it exists (only once the new artifact is complete)."
 )
+@click.option("--prepare", "then_prepare", is_flag=True,
+              help="Then run `mlac prepare OUT_DIR` (this GPU's kernel caches into the artifact; needs a GPU).")  # fmt: skip
 @friendly_errors
-def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, skip_accuracy_check, force):
+def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, skip_accuracy_check, force,
+            then_prepare):  # fmt: skip
     """Compile the Hugging Face DeepSeek checkpoint MODEL_DIR into an artifact at OUT_DIR.
 
     Reads config.json and the safetensors weights (single file or sharded), runs the passes
@@ -126,6 +136,10 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, 
     check_not_source(out_dir, model_dir)  # before anything is read or written (the writer checks again)
     check_options(ModelConfig.from_dir(model_dir), options)  # before any safetensors file is opened
     check_out_dir(out_dir)
+    if then_prepare:
+        from mlac.runtime.device import check_device
+
+        check_device("cuda")  # no GPU: one line now, not after the compile
     ckpt = Checkpoint(model_dir)
     with _progress(ckpt.total_bytes, "compiling") as bar:
         manifest = compile_checkpoint(ckpt, out_dir, options, force=force, progress=bar.update, log=_log)
@@ -137,6 +151,42 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, 
     else:
         _log(f"accuracy: skipped ({acc.reason})")
     click.echo(f"wrote {out_dir}")
+    if then_prepare:
+        from mlac.prepare import prepare as run_prepare
+
+        cache = run_prepare(out_dir, device="cuda", log=_log)
+        click.echo(f"prepared {out_dir} for {cache.key}")
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--device", default="cuda", show_default=True, help="cuda or cuda:N: the GPU to prepare for.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="Compute dtype the server will run (serve's --dtype).")  # fmt: skip
+@click.option("--max-running-requests", type=click.IntRange(1), default=64, show_default=True,
+              help="As serve's: the largest decode batch warmed up.")  # fmt: skip
+@click.option("--chunked-prefill-size", type=click.IntRange(1), default=2048, show_default=True,
+              help="As serve's: the largest prefill warmed up.")  # fmt: skip
+@click.option("--cuda-graph-max-bs", type=click.IntRange(1, 4096), default=256, show_default=True,
+              help="As serve's: the largest decode batch captured as a CUDA graph.")  # fmt: skip
+@friendly_errors
+def prepare(out_dir, device, dtype, max_running_requests, chunked_prefill_size, cuda_graph_max_bs):
+    """Compile on this GPU every kernel the server meets and add them to the artifact OUT_DIR.
+
+    Builds the engine as `mlac serve` does (CUDA graphs for every decode bucket) and warms it up
+    with an empty Triton cache, then stores that cache under OUT_DIR/cache/<target>/, hashed in the
+    manifest with this GPU's signature (name, compute capability, CUDA, driver, torch, triton).
+    Atomic: an interrupted prepare leaves the artifact as it was. A server on a GPU of the same
+    signature then compiles nothing. Preparing a target again replaces its cache.
+    """
+    from mlac.prepare import WarmupShapes
+    from mlac.prepare import prepare as run_prepare
+    from mlac.runtime.device import check_device
+
+    shapes = WarmupShapes(dtype=dtype, max_running_requests=max_running_requests,
+                          chunked_prefill_size=chunked_prefill_size, cuda_graph_max_bs=cuda_graph_max_bs)  # fmt: skip
+    cache = run_prepare(out_dir, device=check_device(device), shapes=shapes, log=_log)
+    click.echo(f"prepared {out_dir} for {cache.key}: {cache.files} files, {cache.bytes / 1e6:.1f} MB")
 
 
 @main.command()
@@ -226,9 +276,10 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True,
               help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
 @_memory_options
+@click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
 def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify,
-             cuda_graph, gpu_memory_utilization, max_model_len):  # fmt: skip
+             cuda_graph, require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Load an artifact and print a completion of --prompt."""
     import torch
 
@@ -237,7 +288,8 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
 
     engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
                                   verify=not no_verify, cuda_graph=cuda_graph, max_model_len=max_model_len,
-                                  gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  kernel_cache=_cache_mode(require_prepared))  # fmt: skip
     if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -278,9 +330,10 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here."
 )
 @_memory_options
+@click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
 def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph, cuda_graph_max_bs, num_blocks,
-          no_verify, profile, json_path, gpu_memory_utilization, max_model_len):  # fmt: skip
+          no_verify, profile, json_path, require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Prefill and decode speed of OUT_DIR per batch size, against the bandwidth roofline.
 
     \b
@@ -301,7 +354,8 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
     engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype), verify=not no_verify,
                                   num_blocks=num_blocks, scheduler_config=sched, cuda_graph=cuda_graph,
                                   cuda_graph_max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
-                                  gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  kernel_cache=_cache_mode(require_prepared))  # fmt: skip
     with engine:
         bandwidth, results = b.bench(engine, sizes, input_len, output_len, progress=_log)
         click.echo(b.table(bandwidth, results))
@@ -416,11 +470,12 @@ def _batch_sizes(text: str) -> list[int]:
 )
 @click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
 @_memory_options
+@click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
           num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, request_body_timeout, nnodes,
           node_rank, master_addr, master_port, cuda_graph, cuda_graph_max_bs, warmup, log_level, no_verify,
-          gpu_memory_utilization, max_model_len):  # fmt: skip
+          require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
 
     \b
@@ -446,7 +501,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
         request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify, cuda_graph=cuda_graph,
         cuda_graph_max_bs=cuda_graph_max_bs, gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=max_model_len, process_start=PROCESS_START,
+        max_model_len=max_model_len, process_start=PROCESS_START, require_prepared=require_prepared,
     )  # fmt: skip
     if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
         load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from mlac.artifact import IDENTITY, BucketPlan, Manifest, artifact_identity, recorded_identity
+from mlac.artifact import IDENTITY, BucketPlan, KernelCache, Manifest, artifact_identity, recorded_identity
 
 
 def _gb(n: int) -> str:
@@ -31,6 +31,18 @@ def _buckets(b: BucketPlan | None) -> list[str]:
         f"memory plan   decode activations {peaks}; prefill of {b.prefill_tokens} tokens "
         f"{_gib(b.prefill_activation_bytes)} (estimates, x{b.safety_factor:g} safety factor)",
     ]  # fmt: skip
+
+
+def _caches(caches: list[KernelCache]) -> list[str]:
+    """The GPU targets the artifact holds kernel caches for (`mlac prepare`)."""
+    if not caches:
+        return ["kernel caches none (portable: kernels compile on first use; `mlac prepare` adds them)"]
+    return [
+        f"kernel cache  {c.key}: {c.signature.gpu_name}, sm {c.signature.compute_capability}, CUDA {c.signature.cuda}, "
+        f"driver {c.signature.driver}, torch {c.signature.torch}, triton {c.signature.triton}; "
+        f"{c.files} files, {_gb(c.bytes)}"
+        for c in caches
+    ]
 
 
 def describe_identity(root: str | Path) -> str:
@@ -69,6 +81,7 @@ def describe(m: Manifest) -> str:
         f"versions      mlac {m.mlac_version}, torch {m.torch_version}, triton {m.triton_version}",
     ]  # fmt: skip
     lines += _buckets(m.buckets)
+    lines += _caches(m.caches)
     sizes: dict[str, int] = defaultdict(int)
     for f in m.files:
         sizes[f.path.split("/")[0]] += f.size

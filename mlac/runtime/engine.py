@@ -24,6 +24,7 @@ import torch
 from mlac.artifact import TOKENIZER_DIR, Manifest
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.runtime.kernel_cache import CacheMode, use_kernel_cache
 from mlac.runtime.layers import Weights
 from mlac.runtime.loader import to_compute_dtype
 from mlac.runtime.model import DeepseekModel
@@ -106,6 +107,7 @@ class Engine:
         cuda_graph_max_bs: int = 256,
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
+        kernel_cache: CacheMode = "use",
     ) -> Engine:
         """Verify (sizes, and sha256 unless verify=False) and load an artifact; size the KV cache
         from `num_blocks`, else from `kv_cache_bytes`, else on CUDA from the artifact's memory plan
@@ -114,8 +116,11 @@ class Engine:
         sequences of max_position_embeddings tokens need; in the artifact's kv_cache_dtype.
         `max_model_len` caps max_context. On CUDA, decode steps of up to `cuda_graph_max_bs`
         sequences run as CUDA graphs (captured here) unless `cuda_graph` is False. `launch` says
-        how the ranks of a multi-rank artifact find each other (see runner.make_runner)."""
+        how the ranks of a multi-rank artifact find each other (see runner.make_runner).
+        `kernel_cache`: use the artifact's compile cache of this GPU if it holds one ("require":
+        refuse to start without), before any kernel is compiled (kernel_cache.use_kernel_cache)."""
         manifest = Manifest.load(path)
+        use_kernel_cache(path, manifest, device, kernel_cache, verify)
         options = RuntimeOptions(num_blocks, kv_cache_bytes, block_size, cuda_graph, cuda_graph_max_bs,
                                  gpu_memory_utilization, max_model_len)  # fmt: skip
         runner = make_runner(path, manifest, device, dtype, verify, launch=launch, options=options)

@@ -43,6 +43,7 @@ class ServerConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: the KV cache takes what this leaves (memory_plan.py)
     max_model_len: int | None = None  # caps the context (default: the model's max_position_embeddings)
     process_start: float | None = None  # time.monotonic() at process start: the start-up log's import phase
+    require_prepared: bool = False  # on a GPU, refuse to start without a kernel cache of its signature
 
     def __post_init__(self) -> None:
         lows = (("max_queue", 0), ("drain_timeout", 0), ("max_body_bytes", 1))

@@ -42,6 +42,7 @@ def load_engine(config: ServerConfig):
         num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes, launch=config.launch,
         scheduler_config=config.scheduler, cuda_graph=config.cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
         gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len,
+        kernel_cache="require" if config.require_prepared else "use",
     )  # fmt: skip
     warm = time.monotonic()
     if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
