@@ -20,6 +20,7 @@ import mlac
 from mlac.artifact import Manifest
 from mlac.cli import main
 from mlac.errors import MlacError
+from mlac.runtime import kernel_cache
 from mlac.runtime import runner as runner_mod
 from mlac.runtime.engine import Engine
 from mlac.runtime.memory_plan import RESERVE_BYTES
@@ -44,6 +45,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+        monkeypatch.setattr(kernel_cache, "current_target", lambda device: None)  # no real GPU to name
 
     def no_load(*args, **kwargs):
         raise AssertionError("the plan must be decided before anything is loaded")
