@@ -435,8 +435,9 @@ def peak_stats(run: Run, max_tokens: int) -> dict:
 
 
 def server_counters(url: str) -> dict[str, float]:
-    """Totals from GET /metrics (generated tokens, preemptions, finished requests)."""
-    want = ("mlac_generation_tokens_total", "mlac_preemptions_total", "mlac_prompt_tokens_total")
+    """Totals from GET /metrics (generated tokens, preemptions, prompt tokens, Triton JIT compiles)."""
+    want = ("mlac_generation_tokens_total", "mlac_preemptions_total", "mlac_prompt_tokens_total",
+            "mlac_triton_jit_compiles_total")  # fmt: skip
     out: dict[str, float] = {}
     with contextlib.suppress(httpx.HTTPError):
         for line in get(url + "/metrics").text.splitlines():
