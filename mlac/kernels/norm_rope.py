@@ -1,5 +1,5 @@
-"""RMSNorm (optionally fused with the residual add and with per-token FP8 quantization) and
-rotate-half rotary embedding.
+"""RMSNorm, optionally fused with the residual add and with per-token FP8 quantization (rope, with
+the paged-cache write, is mla_prep.py's).
 
 RMSNorm computes in float32: y = round(x * rsqrt(mean(x^2) + eps)) * weight, rounded to the output
 dtype before and after the weight, as transformers' DeepSeek RMSNorm does (the quantizing variant
@@ -8,8 +8,6 @@ unfused `residual = x + residual` in that dtype stores), returned as the new res
 rounded value is normalized. `rms_norm_quant` quantizes the float32 y per token per 128 channels
 to e4m3 exactly like `fp8_gemm.quantize_act_ref`.
 
-Rope (rotate-half): out = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), on
-x [T, H, rope] with cos / sin [T, rope] (cos = cat(cos(f), cos(f))), float32 math.
 Entry points dispatch: Triton on CUDA, the reference on CPU.
 """
 
@@ -61,18 +59,6 @@ def rms_norm_quant_ref(
     return y_fp8, scale, new_residual
 
 
-def rotate_half_ref(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, R], cos / sin [T, R] -> [T, H, R] in x's dtype (float32 math)."""
-    xf = x.to(torch.float32)
-    c, s = cos.to(torch.float32)[:, None, :], sin.to(torch.float32)[:, None, :]
-    return (xf * c + rotate_half_ref(xf) * s).to(x.dtype)
-
-
 # --------------------------------------------------------------------------------------------
 # Triton
 # --------------------------------------------------------------------------------------------
@@ -112,31 +98,6 @@ if triton is not None:
         else:  # as transformers: the normalized x rounded to y's dtype, then times the weight
             normed = cast_out(xv * rstd, y.dtype.element_ty).to(tl.float32)
             tl.store(y + row * stride_y + offs, cast_out(normed * w, y.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _rope_kernel(
-        x, cos, sin, out, stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh, H,
-        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
-        """One program per (token, tile of heads). In place when out is x: each element is read
-        before it is written, by the same program."""
-        t = tl.program_id(0).to(tl.int64)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_HALF)
-        mask_d = offs_d < HALF
-        c1 = tl.load(cos + t * stride_ct + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        c2 = tl.load(cos + t * stride_ct + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        s1 = tl.load(sin + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        s2 = tl.load(sin + t * stride_st + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        mask = (offs_h < H)[:, None] & mask_d[None, :]
-        x_ptrs = x + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
-        x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BH, HALF]
-        x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-        o1 = x1 * c1[None, :] - x2 * s1[None, :]
-        o2 = x2 * c2[None, :] + x1 * s2[None, :]
-        o_ptrs = out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o1.to(out.dtype.element_ty), mask=mask)
-        tl.store(o_ptrs + HALF, o2.to(out.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -217,41 +178,9 @@ def rms_norm_quant(
     return y_fp8, y_scale, r_out
 
 
-def apply_rope(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    inplace: bool = False,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """Rotate-half rope on x [T, H, R] (may be a strided view, e.g. the rope slice of q; last dim
-    contiguous) with cos / sin [T, R]. Returns a new tensor, or x itself when inplace."""
-    t, h, r = x.shape
-    assert r % 2 == 0 and cos.shape == (t, r) and sin.shape == (t, r), (
-        f"x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
-    )
-    if not _use_triton(x, use_triton):
-        res = apply_rope_ref(x, cos, sin)
-        return x.copy_(res) if inplace else res
-    assert x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
-    out = x if inplace else torch.empty(t, h, r, dtype=x.dtype, device=x.device)
-    half = r // 2
-    block_h = min(triton.next_power_of_2(h), 16)
-    _rope_kernel[(t, triton.cdiv(h, block_h))](
-        x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        out.stride(0), out.stride(1), h,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h,
-        num_warps=1 if h * r <= 1024 else 4,
-    )  # fmt: skip
-    return out
-
-
 __all__ = [
     "rms_norm",
     "rms_norm_quant",
-    "apply_rope",
     "rms_norm_ref",
     "rms_norm_quant_ref",
-    "apply_rope_ref",
-    "rotate_half_ref",
 ]

@@ -14,8 +14,6 @@ from conftest import rel_err
 
 from mlac.kernels.fp8_gemm import quantize_act_ref
 from mlac.kernels.norm_rope import (
-    apply_rope,
-    apply_rope_ref,
     rms_norm,
     rms_norm_quant,
     rms_norm_quant_ref,
@@ -99,32 +97,6 @@ def test_rms_norm_quant_ref_is_quantize_act_ref():
     q, s, _ = rms_norm_quant_ref(x, w, 1e-6)
     q2, s2 = quantize_act_ref(rms_norm_ref(x, w, 1e-6))
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
-
-
-@pytest.mark.parametrize("t,h,r", [(1, 1, 16), (7, 3, 64), (33, 16, 64), (5, 20, 10)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope(triton_device, t, h, r, dtype):
-    x = randn(t, h, r, dtype=dtype, device=triton_device, seed=t * h)
-    f = randn(t, r // 2, device=triton_device, seed=10, scale=3.0)
-    cos, sin = torch.cat([f.cos(), f.cos()], -1).to(dtype), torch.cat([f.sin(), f.sin()], -1).to(dtype)
-    ref = apply_rope_ref(x, cos, sin)
-    out = apply_rope(x, cos, sin, use_triton=True)
-    close(out, ref, dtype)
-    x_in = x.clone()
-    res = apply_rope(x_in, cos, sin, inplace=True, use_triton=True)
-    assert res.data_ptr() == x_in.data_ptr()
-    close(x_in, ref, dtype)
-
-
-def test_rope_strided_view_in_place(triton_device):
-    # The rope slice of q [T, H, nope + rope], rotated in place; the nope part must stay untouched.
-    q = randn(7, 3, 48, device=triton_device, seed=11)
-    q0 = q.clone()
-    f = randn(7, 8, device=triton_device, seed=12)
-    cos, sin = torch.cat([f.cos(), f.cos()], -1), torch.cat([f.sin(), f.sin()], -1)
-    apply_rope(q[..., 32:], cos, sin, inplace=True, use_triton=True)
-    assert torch.equal(q[..., :32], q0[..., :32])
-    close(q[..., 32:], apply_rope_ref(q0[..., 32:], cos, sin), torch.float32)
 
 
 def test_dispatch_cpu_uses_reference():
