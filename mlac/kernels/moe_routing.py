@@ -9,8 +9,6 @@ gathered from the unbiased scores, then the renormalization / routed_scaling_fac
 Tile: one program per token; its E experts sit in a [G_PAD, S_PAD] tile, row g holding group g's
 experts (E = n_group * group_size; one row of E when not grouping), padded to powers of two and
 masked. `route` dispatches (Triton on CUDA, the reference on CPU) with route_ref's signature.
-
-`gate_route` also computes the logits, x.float() @ gate.float().T, as one float32 GEMM.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from mlac.kernels._triton import HAS_TRITON, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
@@ -31,8 +28,6 @@ else:  # the CPU runtime must not need triton
     libdevice = None
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# gate_route fuses the gate GEMM up to this many tokens (decode batches); beyond it every fused
-# program re-reading the [E, D] gate weight costs more than one GEMM and a [T, E] round trip.
 
 
 @jit
@@ -175,7 +170,7 @@ def _weight_rule(
 
 
 def _check_route_args(e: int, top_k, method, scoring, n_group, topk_group, bias, device) -> None:
-    """The Triton routing's argument checks (route_triton, gate_route_triton)."""
+    """The Triton routing's argument checks."""
     assert method in ("greedy", "group_limited_greedy", "noaux_tc"), f"unknown topk_method {method!r}"
     assert scoring in ("softmax", "sigmoid"), f"unknown scoring_func {scoring!r}"
     assert 1 <= top_k <= e, f"top_k {top_k} for {e} experts"
@@ -280,28 +275,4 @@ def route(
     return route_ref(*args)
 
 
-def gate_route(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    top_k: int,
-    method: TopkMethod,
-    scoring: Literal["softmax", "sigmoid"],
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = False,
-    routed_scaling_factor: float = 1.0,
-    bias: torch.Tensor | None = None,
-    use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits in float32 and routing: `route(x.float() @ gate.float().T, ...)`.
-
-    x [T, D], gate [E, D] (the loader keeps it float32) -> (weights [T, top_k] float32, ids [T, top_k]
-    int64). The logits are one GEMM over all tokens: a kernel that also computed them, one program
-    per token, re-read the whole gate per token and measured 48 us per call at T = 1 on an H200,
-    against about 10 us for the GEMM and the routing kernel (benchmarks/results/decode_h200.md)."""
-    logits = F.linear(x.float(), gate.float())  # [T, E]
-    args = (top_k, method, scoring, n_group, topk_group, norm_topk_prob, routed_scaling_factor, bias)
-    return route(logits, *args, use_triton=use_triton)
-
-
-__all__ = ["gate_route", "route", "route_ref", "route_triton"]
+__all__ = ["route", "route_ref", "route_triton"]

@@ -19,6 +19,7 @@ head all-gathers the logits. With tp == 1 these are identities.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mlac.config import ModelConfig
@@ -27,7 +28,7 @@ from mlac.kernels.head_bmm import head_bmm
 from mlac.kernels.mla_decode import mla_decode
 from mlac.kernels.mla_prep import mla_prep
 from mlac.kernels.moe import fused_moe
-from mlac.kernels.moe_routing import gate_route
+from mlac.kernels.moe_routing import route
 from mlac.runtime.attention_forms import extend_absorbed, extend_mha, prefer_absorbed
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Linear, RMSNorm, RotaryEmbedding, Weights, take_weight
@@ -162,9 +163,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         c = self.config
-        weights, ids = gate_route(  # float32 router logits [T, E], routed: [T, top_k] each
-            x,
-            self.gate,
+        # Router logits [T, E] in float32 (the gate is float32: loader.ROUTER), one GEMM for all tokens.
+        # NOTE: a kernel that computed them and routed in one launch, one program per token, re-read
+        # the gate per token: 48 us per layer at batch 1 on an H200 (benchmarks/results/decode_h200.md).
+        logits = F.linear(x.float(), self.gate)
+        weights, ids = route(  # [T, top_k] each
+            logits,
             top_k=c.num_experts_per_tok,
             method=c.topk_method,
             scoring=c.scoring_func,
