@@ -22,16 +22,21 @@ DONE = "data: [DONE]\n\n"
 
 
 async def sse(sub: Submission, render: Render, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per delta, usage when asked, then [DONE]. A client that
-    disconnects cancels the generator (starlette), and with it the requests."""
+    """Server-sent events: one chunk per delta, usage when asked, then [DONE]. The events of the
+    deltas that arrived together go out in one write. A client that disconnects cancels the
+    generator (starlette), and with it the requests."""
     try:
         for chunk in render.start():
             yield event(chunk)
-        async for index, delta in sub.deltas():
-            if delta.text or delta.finish_reason or (render.want_logprobs and delta.logprobs):
-                yield event(render.chunk(index, delta, include_usage))
-            else:
-                render.add(index, delta)  # a token whose text is held back: nothing to send yet
+        async for batch in sub.batches():
+            events = []
+            for index, delta in batch:
+                if delta.text or delta.finish_reason or (render.want_logprobs and delta.logprobs):
+                    events.append(event(render.chunk(index, delta, include_usage)))
+                else:
+                    render.add(index, delta)  # a token whose text is held back: nothing to send yet
+            if events:
+                yield "".join(events)  # one write for what arrived together
         if include_usage:
             yield event(render.usage_chunk())
     except ApiError as e:
