@@ -1,7 +1,8 @@
 """OpenAI response rendering: completion and chat bodies, their stream chunks, and server-sent events.
 
 A Render accumulates the choices of one response from Deltas; `body()` is the non-streaming
-response, `chunk()` one streamed event. `sse()` turns a Submission into the event stream:
+response, `chunk_event()` one streamed event (the envelope, the same for every chunk of a response,
+is rendered once: only the choice goes through json.dumps per chunk). `sse()` turns a Submission into the event stream:
 chunks, then usage when asked, then `data: [DONE]`; an error mid-stream (a failed step, the drain
 timeout) is one `data: {"error": {...}}` event, then `data: [DONE]`.
 """
@@ -32,7 +33,7 @@ async def sse(sub: Submission, render: Render, include_usage: bool) -> AsyncIter
             events = []
             for index, delta in batch:
                 if delta.text or delta.finish_reason or (render.want_logprobs and delta.logprobs):
-                    events.append(event(render.chunk(index, delta, include_usage)))
+                    events.append(render.chunk_event(index, delta, include_usage))
                 else:
                     render.add(index, delta)  # a token whose text is held back: nothing to send yet
             if events:
@@ -71,6 +72,7 @@ class Render:
         self.finish: list[str | None] = [None] * n
         self.prompt_tokens = [0] * n
         self.completion_tokens = [0] * n
+        self._chunk_head: str | None = None
 
     def add(self, i: int, d: Delta) -> None:
         self.text[i] += d.text
@@ -81,6 +83,20 @@ class Render:
     def usage(self) -> dict:
         p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def chunk_event(self, i: int, d: Delta, include_usage: bool) -> str:
+        """The event of choice i's delta d: exactly `event({**envelope, "choices": [choice],
+        "usage": None if include_usage})`, with the envelope's JSON rendered once per response."""
+        if self._chunk_head is None:
+            empty = json.dumps(self.envelope([], self.chunk_object), ensure_ascii=False)
+            self._chunk_head = "data: " + empty[:-2]  # without the final ']}': ends in '"choices": ['
+        choice = json.dumps(self.chunk_choice(i, d), ensure_ascii=False)
+        tail = ', "usage": null}' if include_usage else "}"
+        return f"{self._chunk_head}{choice}]{tail}\n\n"
+
+    def chunk_choice(self, i: int, d: Delta) -> dict:
+        """Add d to choice i; the choice object of its stream chunk."""
+        raise NotImplementedError
 
     def envelope(self, choices: list, object: str | None = None) -> dict:
         return {"id": self.id, "object": object or self.object, "created": self.created, "model": self.model,
@@ -120,15 +136,10 @@ class CompletionRender(Render):
             "text_offset": offsets,
         }
 
-    def chunk(self, i: int, d: Delta, include_usage: bool) -> dict:
+    def chunk_choice(self, i: int, d: Delta) -> dict:
         self.add(i, d)
-        choice = {
-            "index": i,
-            "text": d.text,
-            "logprobs": self._logprobs(i, d.logprobs),
-            "finish_reason": d.finish_reason,
-        }
-        return {**self.envelope([choice]), **({"usage": None} if include_usage else {})}
+        return {"index": i, "text": d.text, "logprobs": self._logprobs(i, d.logprobs),
+                "finish_reason": d.finish_reason}  # fmt: skip
 
     def body(self) -> dict:
         choices = [
@@ -170,16 +181,11 @@ class ChatRender(Render):
         }
         return [self.envelope([first], self.chunk_object)]
 
-    def chunk(self, i: int, d: Delta, include_usage: bool) -> dict:
+    def chunk_choice(self, i: int, d: Delta) -> dict:
         self.add(i, d)
         delta = {"content": d.text} if d.text else {}
-        choice = {
-            "index": i,
-            "delta": delta,
-            "logprobs": self._logprobs(d.logprobs),
-            "finish_reason": d.finish_reason,
-        }
-        return {**self.envelope([choice], self.chunk_object), **({"usage": None} if include_usage else {})}
+        return {"index": i, "delta": delta, "logprobs": self._logprobs(d.logprobs),
+                "finish_reason": d.finish_reason}  # fmt: skip
 
     def body(self) -> dict:
         message = {"role": "assistant", "content": self.text[0]}
