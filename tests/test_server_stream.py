@@ -1,6 +1,6 @@
 """The server's streaming path without HTTP: the engine thread's hand-over of one step's deltas
 (one call per event loop), Submission.batches (order, an engine error after the deltas before it),
-and the chunk template (byte-identical to json.dumps of the whole chunk)."""
+the chunk template (byte-identical to json.dumps of the whole chunk), and the memo of token_text."""
 
 from __future__ import annotations
 
@@ -129,3 +129,18 @@ def test_chunk_template_is_byte_identical(include_usage):
     assert c.chunk_event(0, delta(0, ""), include_usage) == event(
         {**want, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]}
     )
+
+
+def test_token_text_is_remembered(artifact):
+    from mlac.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(artifact("tiny-v3") / "tokenizer")
+    ids = range(min(tok.vocab_size, 300))
+    want = [tok._tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert [tok.token_text(i) for i in ids] == want
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoded again")
+
+    tok._tok = type("NoDecode", (), {"decode": refuse})()
+    assert [tok.token_text(i) for i in ids] == want  # every answer from the memo

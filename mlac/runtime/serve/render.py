@@ -1,10 +1,11 @@
 """OpenAI response rendering: completion and chat bodies, their stream chunks, and server-sent events.
 
 A Render accumulates the choices of one response from Deltas; `body()` is the non-streaming
-response, `chunk_event()` one streamed event (the envelope, the same for every chunk of a response,
-is rendered once: only the choice goes through json.dumps per chunk). `sse()` turns a Submission into the event stream:
-chunks, then usage when asked, then `data: [DONE]`; an error mid-stream (a failed step, the drain
-timeout) is one `data: {"error": {...}}` event, then `data: [DONE]`.
+response, `chunk_event()` one streamed event (the envelope, the same for every chunk of a
+response, is rendered once: only the choice goes through the JSON encoder per chunk). `sse()`
+turns a Submission into the event stream: chunks (those of the deltas that arrived together in
+one write), then usage when asked, then `data: [DONE]`; an error mid-stream (a failed step, the
+drain timeout) is one `data: {"error": {...}}` event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mlac.runtime.serve.loop import Submission
 from mlac.runtime.serve.protocol import ApiError
 
 DONE = "data: [DONE]\n\n"
+ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(x, ensure_ascii=False), built once
 
 
 async def sse(sub: Submission, render: Render, include_usage: bool) -> AsyncIterator[str]:
@@ -48,7 +50,7 @@ async def sse(sub: Submission, render: Render, include_usage: bool) -> AsyncIter
 
 
 def event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {ENCODE(obj)}\n\n"
 
 
 def _lp(x: float) -> float:
@@ -88,9 +90,9 @@ class Render:
         """The event of choice i's delta d: exactly `event({**envelope, "choices": [choice],
         "usage": None if include_usage})`, with the envelope's JSON rendered once per response."""
         if self._chunk_head is None:
-            empty = json.dumps(self.envelope([], self.chunk_object), ensure_ascii=False)
+            empty = ENCODE(self.envelope([], self.chunk_object))
             self._chunk_head = "data: " + empty[:-2]  # without the final ']}': ends in '"choices": ['
-        choice = json.dumps(self.chunk_choice(i, d), ensure_ascii=False)
+        choice = ENCODE(self.chunk_choice(i, d))
         tail = ', "usage": null}' if include_usage else "}"
         return f"{self._chunk_head}{choice}]{tail}\n\n"
 
