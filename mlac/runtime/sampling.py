@@ -171,18 +171,23 @@ def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
 ) -> list[TokenLogprob | None]:
     """logits [B, V], the sampled token_ids [B], alternatives wanted per row (None: no logprobs)
-    -> each row's TokenLogprob (None where not asked)."""
+    -> each row's TokenLogprob (None where not asked). The rows that asked are computed together
+    on the logits' device; two transfers to the host in all (values and ids), none per row."""
     rows = [i for i, n in enumerate(num_top) if n is not None]
     out: list[TokenLogprob | None] = [None] * len(num_top)
     if not rows:
         return out
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
-    chosen = lp.gather(1, token_ids[rows].to(lp.device)[:, None])[:, 0].tolist()
+    index = torch.tensor(rows, device=logits.device) if len(rows) < len(num_top) else None
+    x = logits if index is None else logits.index_select(0, index)
+    ids = token_ids.to(logits.device)[:, None]  # [B, 1]
+    ids = ids if index is None else ids.index_select(0, index)  # [R, 1]
+    lp = torch.log_softmax(x.float(), dim=-1)  # [R, V]
     k = max(num_top[i] for i in rows)
-    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], ids[:, :0])  # [R, k]
+    vals = torch.cat([lp.gather(1, ids), top_vals], dim=1).tolist()  # [R, 1 + k]: chosen, top
+    all_ids = torch.cat([ids, top_ids], dim=1).tolist()  # [R, 1 + k]
     for j, i in enumerate(rows):
         n = num_top[i]
-        top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
-        out[i] = TokenLogprob(int(token_ids[i]), chosen[j], top)
+        top = tuple(zip(all_ids[j][1 : 1 + n], vals[j][1 : 1 + n], strict=True))
+        out[i] = TokenLogprob(all_ids[j][0], vals[j][0], top)
     return out

@@ -50,6 +50,7 @@ class Tokenizer:
         self.add_bos = bool(cfg.get("add_bos_token", True)) and self.bos_token_id is not None
         self.chat_template: str | None = cfg.get("chat_template")
         self._template = None
+        self._token_texts: dict[int, str] = {}  # token_text's answers (at most the vocabulary)
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -70,8 +71,11 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own, special tokens included (logprobs). A token that holds part
-        of a UTF-8 character shows as U+FFFD."""
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        of a UTF-8 character shows as U+FFFD. Remembered: streamed logprobs ask for every token."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the checkpoint's template (sandboxed jinja2, as transformers).

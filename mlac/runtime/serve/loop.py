@@ -2,8 +2,9 @@
 
 Other threads never touch the scheduler: they put ("add", seq, sink), ("cancel", seq_id),
 ("fail", message) or ("stop",) into a queue.Queue, and the engine thread applies them between
-steps. Each Delta (or an exception) goes to the request's sink, called on the engine thread; a
-Submission's sink hands it to the handler's event loop with `call_soon_threadsafe`.
+steps. Each Delta (or an exception) goes to the request's Sink: the engine thread collects what one
+step produced, and hands it to each event loop in ONE `call_soon_threadsafe` (a self-pipe write
+and a wake-up of that loop per step, not per token per request).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from mlac.errors import MlacError
@@ -23,7 +25,17 @@ from mlac.runtime.serve.protocol import ApiError
 
 log = logging.getLogger("mlac.server")
 
-Sink = Callable[[Delta | BaseException], None]
+
+@dataclass(frozen=True, slots=True)
+class Sink:
+    """Where one request's Deltas go: item `index` of `queue`, an asyncio.Queue of event loop `aio`."""
+
+    aio: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int
+
+
+Outbox = dict[asyncio.AbstractEventLoop, list[tuple[Sink, Delta | BaseException]]]
 
 
 class QueueFull(MlacError):
@@ -53,6 +65,7 @@ class EngineLoop:
         self._unfinished = 0  # submitted, not yet finished (guarded by _lock)
         self._refusing: str | None = None  # set by fail_all: why new requests are refused
         self._sinks: dict[int, Sink] = {}
+        self._outbox: Outbox = {}  # what the engine thread has to hand over, per event loop
         self._last_token: dict[int, float] = {}
         self._thread = threading.Thread(target=self._main, name="mlac-engine", daemon=True)
 
@@ -115,12 +128,15 @@ class EngineLoop:
         log.info("model loaded: ready")
         try:
             while self._take_inbox(block=not self.scheduler.has_unfinished):
+                self._send()
                 if self.scheduler.has_unfinished:
                     self._step()
+                    self._send()
         finally:
             for seq in self.scheduler.abort_all():
                 self._deliver(seq, time.monotonic())
             self._refuse_inbox()
+            self._send()
             self.engine.close()
 
     def _refuse_inbox(self) -> None:
@@ -171,18 +187,18 @@ class EngineLoop:
                 self._finish(seq.seq_id, MlacError(f"engine step failed: {e}"))
             return
         now = time.monotonic()
-        for seq in news:
-            self._deliver(seq, now)
+        tokens = sum(self._deliver(seq, now) for seq in news)
         m, s = self.metrics, self.scheduler
+        m.generation_tokens.inc(tokens)
         m.preemptions.inc(s.num_preemptions - preempted)
         m.running.set(s.num_running)
         m.waiting.set(s.num_waiting)
         m.kv_usage.set(self.engine.cache.usage)
 
-    def _deliver(self, seq: Sequence, now: float) -> None:
+    def _deliver(self, seq: Sequence, now: float) -> int:
+        """Queue seq's new Delta for its sink; the number of new tokens."""
         delta = seq.take_delta()
         if delta.token_ids:
-            self.metrics.generation_tokens.inc(len(delta.token_ids))
             prev = self._last_token.get(seq.seq_id)
             if prev is None:
                 self.metrics.ttft.observe(now - seq.arrival)
@@ -191,11 +207,12 @@ class EngineLoop:
             self._last_token[seq.seq_id] = now
         sink = self._sinks.get(seq.seq_id)
         if sink is not None and (delta.text or delta.token_ids or delta.finish_reason):
-            _call(sink, delta)
+            self._post(sink, delta)
         if seq.finished:
             self.metrics.finished.labels(seq.finish_reason).inc()
             self.metrics.e2e.observe(now - seq.arrival)
             self._finish(seq.seq_id, None)
+        return len(delta.token_ids)
 
     def _finish(self, seq_id: int, error: BaseException | None) -> None:
         sink = self._sinks.pop(seq_id, None)
@@ -203,16 +220,27 @@ class EngineLoop:
         if sink is None:
             return
         if error is not None:
-            _call(sink, error)
+            self._post(sink, error)
         with self._lock:
             self._unfinished -= 1
 
+    def _post(self, sink: Sink, item: Delta | BaseException) -> None:
+        self._outbox.setdefault(sink.aio, []).append((sink, item))
 
-def _call(sink: Sink, item: Delta | BaseException) -> None:
-    try:
-        sink(item)
-    except Exception:  # noqa: BLE001  (the handler's event loop is gone: nobody is listening)
-        log.debug("dropped a delta for a request whose handler is gone")
+    def _send(self) -> None:
+        """Hand what was posted to each event loop, one call per loop, in the order posted."""
+        outbox, self._outbox = self._outbox, {}
+        for aio, items in outbox.items():
+            try:
+                aio.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the handler's event loop is closed: nobody is listening
+                log.debug("dropped %d deltas for requests whose handler is gone", len(items))
+
+
+def _put_all(items: list[tuple[Sink, Delta | BaseException]]) -> None:
+    """On the sinks' event loop: each item into its request's queue."""
+    for sink, item in items:
+        sink.queue.put_nowait((sink.index, item))
 
 
 class Submission:
@@ -224,7 +252,7 @@ class Submission:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done: set[int] = set()
         aio = asyncio.get_running_loop()
-        sinks = [self._sink(aio, i) for i in range(len(seqs))]
+        sinks = [Sink(aio, self.queue, i) for i in range(len(seqs))]
         try:
             loop.submit(seqs, sinks)
         except QueueFull as e:
@@ -232,25 +260,42 @@ class Submission:
         except ShuttingDown as e:
             raise ApiError(503, str(e), type="server_error", code="draining") from None
 
-    def _sink(self, aio: asyncio.AbstractEventLoop, index: int) -> Sink:
-        return lambda item: aio.call_soon_threadsafe(self.queue.put_nowait, (index, item))
-
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, Delta) until every request finished; an engine failure raises ApiError
         (503 when the server is shutting down, 500 when a step failed)."""
+        async for batch in self.batches():
+            for index, delta in batch:
+                yield index, delta
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+        """As `deltas`, but every (index, Delta) that has arrived at once, in order, as one list
+        (never empty): a consumer that falls behind the engine takes several steps' deltas in one
+        go (one write to the client instead of one per step). An engine failure is raised after
+        the deltas that came before it."""
         while len(self.done) < len(self.seqs):
-            index, item = await self.queue.get()
-            if isinstance(item, ShuttingDown):
-                self.done.add(index)
-                raise ApiError(503, str(item), type="server_error", code="draining")
-            if isinstance(item, BaseException):
-                self.done.add(index)
-                raise ApiError(500, str(item), type="server_error", code="engine_error")
-            if item.finish_reason is not None:
-                self.done.add(index)
-            yield index, item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch = []
+            for index, item in items:
+                if isinstance(item, BaseException):
+                    self.done.add(index)
+                    if batch:
+                        yield batch
+                    raise _api_error(item)
+                if item.finish_reason is not None:
+                    self.done.add(index)
+                batch.append((index, item))
+            yield batch
 
     def cancel_unfinished(self) -> None:
         for i, seq in enumerate(self.seqs):
             if i not in self.done:
                 self.loop.cancel(seq.seq_id)
+
+
+def _api_error(e: BaseException) -> ApiError:
+    """An engine failure as the handler answers it: 503 shutting down, 500 a failed step."""
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, str(e), type="server_error", code="draining")
+    return ApiError(500, str(e), type="server_error", code="engine_error")

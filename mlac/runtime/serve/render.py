@@ -1,9 +1,11 @@
 """OpenAI response rendering: completion and chat bodies, their stream chunks, and server-sent events.
 
 A Render accumulates the choices of one response from Deltas; `body()` is the non-streaming
-response, `chunk()` one streamed event. `sse()` turns a Submission into the event stream:
-chunks, then usage when asked, then `data: [DONE]`; an error mid-stream (a failed step, the drain
-timeout) is one `data: {"error": {...}}` event, then `data: [DONE]`.
+response, `chunk_event()` one streamed event (the envelope, the same for every chunk of a
+response, is rendered once: only the choice goes through the JSON encoder per chunk). `sse()`
+turns a Submission into the event stream: chunks (those of the deltas that arrived together in
+one write), then usage when asked, then `data: [DONE]`; an error mid-stream (a failed step, the
+drain timeout) is one `data: {"error": {...}}` event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -19,19 +21,25 @@ from mlac.runtime.serve.loop import Submission
 from mlac.runtime.serve.protocol import ApiError
 
 DONE = "data: [DONE]\n\n"
+ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(x, ensure_ascii=False), built once
 
 
 async def sse(sub: Submission, render: Render, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per delta, usage when asked, then [DONE]. A client that
-    disconnects cancels the generator (starlette), and with it the requests."""
+    """Server-sent events: one chunk per delta, usage when asked, then [DONE]. The events of the
+    deltas that arrived together go out in one write. A client that disconnects cancels the
+    generator (starlette), and with it the requests."""
     try:
         for chunk in render.start():
             yield event(chunk)
-        async for index, delta in sub.deltas():
-            if delta.text or delta.finish_reason or (render.want_logprobs and delta.logprobs):
-                yield event(render.chunk(index, delta, include_usage))
-            else:
-                render.add(index, delta)  # a token whose text is held back: nothing to send yet
+        async for batch in sub.batches():
+            events = []
+            for index, delta in batch:
+                if delta.text or delta.finish_reason or (render.want_logprobs and delta.logprobs):
+                    events.append(render.chunk_event(index, delta, include_usage))
+                else:
+                    render.add(index, delta)  # a token whose text is held back: nothing to send yet
+            if events:
+                yield "".join(events)  # one write for what arrived together
         if include_usage:
             yield event(render.usage_chunk())
     except ApiError as e:
@@ -42,7 +50,7 @@ async def sse(sub: Submission, render: Render, include_usage: bool) -> AsyncIter
 
 
 def event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {ENCODE(obj)}\n\n"
 
 
 def _lp(x: float) -> float:
@@ -66,6 +74,7 @@ class Render:
         self.finish: list[str | None] = [None] * n
         self.prompt_tokens = [0] * n
         self.completion_tokens = [0] * n
+        self._chunk_head: str | None = None
 
     def add(self, i: int, d: Delta) -> None:
         self.text[i] += d.text
@@ -76,6 +85,20 @@ class Render:
     def usage(self) -> dict:
         p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def chunk_event(self, i: int, d: Delta, include_usage: bool) -> str:
+        """The event of choice i's delta d: exactly `event({**envelope, "choices": [choice],
+        "usage": None if include_usage})`, with the envelope's JSON rendered once per response."""
+        if self._chunk_head is None:
+            empty = ENCODE(self.envelope([], self.chunk_object))
+            self._chunk_head = "data: " + empty[:-2]  # without the final ']}': ends in '"choices": ['
+        choice = ENCODE(self.chunk_choice(i, d))
+        tail = ', "usage": null}' if include_usage else "}"
+        return f"{self._chunk_head}{choice}]{tail}\n\n"
+
+    def chunk_choice(self, i: int, d: Delta) -> dict:
+        """Add d to choice i; the choice object of its stream chunk."""
+        raise NotImplementedError
 
     def envelope(self, choices: list, object: str | None = None) -> dict:
         return {"id": self.id, "object": object or self.object, "created": self.created, "model": self.model,
@@ -115,15 +138,10 @@ class CompletionRender(Render):
             "text_offset": offsets,
         }
 
-    def chunk(self, i: int, d: Delta, include_usage: bool) -> dict:
+    def chunk_choice(self, i: int, d: Delta) -> dict:
         self.add(i, d)
-        choice = {
-            "index": i,
-            "text": d.text,
-            "logprobs": self._logprobs(i, d.logprobs),
-            "finish_reason": d.finish_reason,
-        }
-        return {**self.envelope([choice]), **({"usage": None} if include_usage else {})}
+        return {"index": i, "text": d.text, "logprobs": self._logprobs(i, d.logprobs),
+                "finish_reason": d.finish_reason}  # fmt: skip
 
     def body(self) -> dict:
         choices = [
@@ -165,16 +183,11 @@ class ChatRender(Render):
         }
         return [self.envelope([first], self.chunk_object)]
 
-    def chunk(self, i: int, d: Delta, include_usage: bool) -> dict:
+    def chunk_choice(self, i: int, d: Delta) -> dict:
         self.add(i, d)
         delta = {"content": d.text} if d.text else {}
-        choice = {
-            "index": i,
-            "delta": delta,
-            "logprobs": self._logprobs(d.logprobs),
-            "finish_reason": d.finish_reason,
-        }
-        return {**self.envelope([choice], self.chunk_object), **({"usage": None} if include_usage else {})}
+        return {"index": i, "delta": delta, "logprobs": self._logprobs(d.logprobs),
+                "finish_reason": d.finish_reason}  # fmt: skip
 
     def body(self) -> dict:
         message = {"role": "assistant", "content": self.text[0]}
