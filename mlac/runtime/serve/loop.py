@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlac.errors import MlacError
+from mlac.runtime.jit_compiles import count_compiles
 from mlac.runtime.scheduler import Delta, Sequence
 from mlac.runtime.serve.metrics import Metrics
 from mlac.runtime.serve.protocol import ApiError
@@ -114,6 +115,7 @@ class EngineLoop:
     # ---- the engine thread ----
 
     def _main(self) -> None:
+        count_compiles(lambda name: self.metrics.jit_compiles.inc())  # start-up's and the requests'
         try:
             self.engine = self._load()
             self.scheduler = self.engine.scheduler()

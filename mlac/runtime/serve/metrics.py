@@ -40,6 +40,11 @@ class Metrics:
         self.prompt_tokens = Counter("mlac_prompt_tokens", "Prompt tokens of submitted requests", registry=r)
         self.generation_tokens = Counter("mlac_generation_tokens", "Generated tokens", registry=r)
         self.preemptions = Counter("mlac_preemptions", "Requests preempted for lack of KV blocks", registry=r)
+        self.jit_compiles = Counter(
+            "mlac_triton_jit_compiles",
+            "Triton kernels compiled since the process started (none for an artifact prepared for this GPU)",
+            registry=r,
+        )
         self.running = Gauge("mlac_running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("mlac_waiting_requests", "Requests waiting for admission", registry=r)
         self.kv_usage = Gauge("mlac_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=r)
