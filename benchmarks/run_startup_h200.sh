@@ -15,7 +15,7 @@ t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 || { tail -5 $W/synth.log; exit 1; }; stamp synth
 python3 -m mlac.cli compile $C $W/bf16 --skip-accuracy-check >$W/c1.log 2>&1 || { tail -5 $W/c1.log; exit 1; }
 stamp compile; rm -rf $C
-timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda 2>&1 | tail -5 | tee "$OUT/prepare.txt"; stamp "prepare"
+timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda --max-running-requests 256 2>&1 | tail -5 | tee "$OUT/prepare.txt"; stamp "prepare"
 python3 -m mlac.cli inspect $W/bf16 | grep -i "cache\|identity"
 rm -rf ~/.triton; unset TRITON_CACHE_DIR
 timeout -k 10 ${SERVE_S:-150} python3 benchmarks/serve_gpu.py $W/bf16 --device cuda --json "$OUT/serve_prepared.json" \
