@@ -19,6 +19,7 @@ CLI does; `compile --prepare` compiles on the CPU first).
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -72,6 +73,11 @@ def warm_kernels(root: Path, device: str, cache_dir: Path, shapes: WarmupShapes)
                               cuda_graph_max_bs=shapes.cuda_graph_max_bs, kernel_cache="off") as engine:  # fmt: skip
         engine.warmup()
         torch.cuda.synchronize()
+    # NOTE: the engine sized its KV cache as a server would (most of the GPU): give it all back, so that
+    # a server started next, in another process, finds the GPU free (prepare runs inside tests too).
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def prepare(

@@ -317,16 +317,19 @@ counts = {}
 with JitCompiles() as start:
     srv = ServerThread(config).start()
 counts["start"] = start.compiled
-with JitCompiles() as requests, srv:
-    for n in (1, 5, 16, 37, 64, 130):
-        prompt = [3 + (7 * i) % 50 for i in range(n)]
+with JitCompiles() as requests:
+    try:
+        for n in (1, 5, 16, 37, 64, 130):
+            prompt = [3 + (7 * i) % 50 for i in range(n)]
+            r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                           json={"model": srv.state.config.model_name, "prompt": prompt, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+        prompts = [[3 + i] * (4 + i) for i in range(6)]
         r = httpx.post(srv.url + "/v1/completions", timeout=120,
-                       json={"model": srv.state.config.model_name, "prompt": prompt, "max_tokens": 8})
+                       json={"model": srv.state.config.model_name, "prompt": prompts, "max_tokens": 12})
         assert r.status_code == 200, r.text
-    prompts = [[3 + i] * (4 + i) for i in range(6)]
-    r = httpx.post(srv.url + "/v1/completions", timeout=120,
-                   json={"model": srv.state.config.model_name, "prompt": prompts, "max_tokens": 12})
-    assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
 counts["requests"] = requests.compiled
 print(json.dumps(counts))
 """
@@ -351,5 +354,6 @@ def test_a_prepared_artifact_compiles_nothing_in_a_fresh_server(art, tmp_path):
         assert out.returncode == 0, out.stderr[-4000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    assert serve("require") == {"start": [], "requests": []}
+    got = serve("require")
+    assert got == {"start": [], "requests": []}, got
     assert serve("off")["start"] != []  # the counter sees compiles where there is no cache

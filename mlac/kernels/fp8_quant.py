@@ -18,9 +18,17 @@ from mlac.fp8 import FP8_MAX
 from mlac.kernels._triton import HAS_TRITON, tl, triton, use_triton  # noqa: F401 (re-exported)
 
 
-def jit(fn):
-    """`triton.jit` when Triton is installed, else the function unchanged (never launched)."""
-    return triton.jit(fn) if HAS_TRITON else fn
+def jit(fn=None, *, dynamic: tuple[str, ...] = ()):
+    """`triton.jit` when Triton is installed, else the function unchanged (never launched).
+
+    `dynamic` names integer arguments that vary with the batch (token and row counts): Triton then
+    compiles one variant for all their values instead of one per "== 1" / "divisible by 16" class,
+    so that the kernels a server meets form a closed set that `mlac prepare` can compile ahead."""
+    if fn is None:
+        return lambda f: jit(f, dynamic=dynamic)
+    if not HAS_TRITON:
+        return fn
+    return triton.jit(fn, do_not_specialize=list(dynamic)) if dynamic else triton.jit(fn)
 
 
 def interpreting() -> bool:

@@ -140,7 +140,7 @@ class MoeConfig:
     group_m: int = 8
 
 
-@jit
+@jit(dynamic=("P", "max_padded", "max_blocks"))
 def _moe_align_kernel(
     ids_ptr,
     counts_ptr,
@@ -237,7 +237,7 @@ def moe_align(
     return sorted_pairs, block_expert, num_padded
 
 
-@jit
+@jit(dynamic=("P", "num_blocks"))
 def _moe_gemm_kernel(
     a_ptr,
     as_ptr,
@@ -354,7 +354,7 @@ def _moe_gemm_kernel(
         tl.store(c_ptr + c_rows + offs_n[None, :], cast_out(h, c_ptr.dtype.element_ty), mask=c_mask)
 
 
-@jit
+@jit(dynamic=("T",))
 def _moe_reduce_kernel(
     y_ptr,
     w_ptr,
