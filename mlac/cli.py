@@ -273,13 +273,15 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is present).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
+@click.option("--cuda-graph-max-bs", type=click.IntRange(1, 4096), default=1, show_default=True,
+              help="Largest decode batch captured as a CUDA graph (one prompt: 1).")  # fmt: skip
 @click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True,
               help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
 @_memory_options
 @click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
 def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify,
-             cuda_graph, require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
+             cuda_graph, cuda_graph_max_bs, require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Load an artifact and print a completion of --prompt."""
     import torch
 
@@ -287,8 +289,8 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
     from mlac.runtime.engine import Engine
 
     engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
-                                  verify=not no_verify, cuda_graph=cuda_graph, max_model_len=max_model_len,
-                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  verify=not no_verify, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
+                                  max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                   kernel_cache=_cache_mode(require_prepared))  # fmt: skip
     if chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
