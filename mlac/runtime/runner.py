@@ -94,6 +94,13 @@ class ModelRunner:
     def close(self) -> None:
         """Release what the runner holds beyond this process (nothing for one rank)."""
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs and their memory pool. NOTE: must run before the process group is
+        destroyed: graphs that captured NCCL collectives must not outlive their communicator."""
+        if self.graphs is not None:
+            torch.cuda.synchronize()
+            self.graphs = None
+
 
 def make_cache(
     config: ModelConfig,
@@ -292,6 +299,7 @@ def serve_steps(runner: ModelRunner, group: RankGroup) -> None:
     """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts stop."""
     while (step := recv_step(group.control)) is not None:
         runner.run(step)  # the logits are rank 0's
+    runner.release_graphs()  # before the caller leaves the group
 
 
 class DistributedRunner:
@@ -341,4 +349,5 @@ class DistributedRunner:
     def close(self) -> None:
         """Stop the other ranks (after their current step) and close the process groups. Idempotent."""
         atexit.unregister(self.close)
+        self.local.release_graphs()
         self.group.shutdown()
