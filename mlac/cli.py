@@ -1,4 +1,4 @@
-"""mlac command line: compile, prepare, inspect, verify, synth, generate, serve, bench, demo.
+"""mlac command line: compile, prepare, inspect, verify, synth, generate, serve, bench, eval, demo.
 
 Thin wiring over the Python API. Every MlacError becomes `error: <message>` on stderr with exit
 code 1 and no traceback.
@@ -383,6 +383,57 @@ def _batch_sizes(text: str) -> list[int]:
     if not sizes or sizes[0] < 1:
         raise MlacError(f"--batch-sizes {text!r}: sizes must be integers >= 1")
     return sizes
+
+
+@main.command(name="eval")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--text", "text_path", type=click.Path(path_type=Path), required=True,
+              help="UTF-8 text file to score.")  # fmt: skip
+@click.option("--context-len", type=int, default=None,
+              help="Tokens per window (default: the engine's context, at most 2048).")  # fmt: skip
+@click.option("--stride", type=int, default=None,
+              help="Start a window every N tokens, scoring only its new tokens (default: --context-len).")  # fmt: skip
+@click.option("--max-tokens", type=click.IntRange(1), default=None, help="Evaluate only the first N tokens.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is present).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--no-verify", is_flag=True, help="Trusted storage: check file sizes only, skip sha256.")
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the record here."
+)
+@_memory_options
+@click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
+@friendly_errors
+def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no_verify, json_path,
+          require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
+    """Perplexity of OUT_DIR over a text file, token-weighted, through the serving runtime.
+
+    \b
+      mlac eval out/ --text held_out.txt --context-len 1024 --stride 512 --json ppl.json
+    """
+    import torch
+
+    from mlac import evaluate as ev
+    from mlac.artifact import artifact_identity
+    from mlac.runtime.device import check_device
+    from mlac.runtime.engine import Engine
+
+    text = ev.read_text(text_path)
+    engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
+                                  verify=not no_verify, cuda_graph=False, max_model_len=max_model_len,
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  kernel_cache=_cache_mode(require_prepared))  # fmt: skip
+    with engine:
+        ids, n_bytes = ev.encode_text(engine, text, max_tokens)
+        if context_len is None:
+            context_len = min(engine.max_context, ev.DEFAULT_CONTEXT)
+        stride = context_len if stride is None else stride
+        plan = ev.plan_windows(len(ids), context_len, stride, engine.max_context)
+        with _progress(sum(w.end - w.first for w in plan), "scoring") as bar:
+            result = ev.perplexity(engine, ids, context_len, stride, progress=bar.update)
+        click.echo(ev.summary(result, n_bytes))
+        if json_path is not None:
+            record = ev.to_json(engine, artifact_identity(out_dir), text_path, n_bytes, result, dtype)
+            json_path.write_text(record + "\n")
 
 
 @main.command()
