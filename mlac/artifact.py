@@ -62,6 +62,15 @@ class ParallelPlan(Frozen):
         return self.tp
 
 
+class KVCalibration(Frozen):
+    """What the FP8 KV cache's scales were calibrated on (mlac/calibrate.py)."""
+
+    text_sha256: str  # of the calibration text file's bytes
+    tokens: int  # tokens run through the model (the text's first, at most calibrate.MAX_TOKENS)
+    window: int  # tokens per window; each window is scored as its own sequence
+    amax: list[float]  # per layer: max |value| of the cache entries [latent ‖ roped key] written
+
+
 class Quantization(Frozen):
     scheme: Literal["none", "fp8-block"]
     fmt: Literal["e4m3"] | None = None
@@ -69,6 +78,9 @@ class Quantization(Frozen):
     scale_dtype: Literal["float32"] | None = None
     kept_source_blocks: bool = False  # True when FP8 blocks came from the checkpoint untouched
     tensors: int = 0  # how many weights are FP8
+    # per layer, the FP8 KV cache's static scale (value = stored * scale); None: 1.0 for every layer
+    kv_scales: list[float] | None = None
+    kv_calibration: KVCalibration | None = None  # where kv_scales came from
 
 
 class AccuracyReport(Frozen):

@@ -108,20 +108,24 @@ def main() -> None:
     is_flag=True,
     help="Do not run the artifact against the source (for models that do not fit).",
 )
+@click.option("--calibration-text", type=click.Path(path_type=Path), default=None,
+              help="Text file to calibrate the FP8 KV cache's per-layer scales on (with --kv-cache-dtype fp8_*).")  # fmt: skip
 @click.option(
     "--force", is_flag=True, help="Replace OUT_DIR if it exists (only once the new artifact is complete)."
 )
 @click.option("--prepare", "then_prepare", is_flag=True,
               help="Then run `mlac prepare OUT_DIR` (this GPU's kernel caches into the artifact; needs a GPU).")  # fmt: skip
 @friendly_errors
-def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, skip_accuracy_check, force,
-            then_prepare):  # fmt: skip
+def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, skip_accuracy_check,
+            calibration_text, force, then_prepare):  # fmt: skip
     """Compile the Hugging Face DeepSeek checkpoint MODEL_DIR into an artifact at OUT_DIR.
 
     Reads config.json and the safetensors weights (single file or sharded), runs the passes
     (rope, fuse, absorb, fp8), and writes the artifact atomically with a manifest that hashes
     every file. Unless --skip-accuracy-check, the artifact's logits are compared with the
-    unquantized source on probe sequences and the error is recorded in the manifest.
+    unquantized source on probe sequences and the error is recorded in the manifest. With
+    --calibration-text and an FP8 KV cache, the cache's per-layer scales are calibrated on that
+    text (max |entry| per layer maps to the format's max); without, every layer's scale is 1.0.
     """
     from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import check_options, check_out_dir, compile_checkpoint
@@ -142,7 +146,8 @@ def compile(model_dir, out_dir, fp8, tp, ep, kv_cache_dtype, cuda_graph_max_bs, 
         check_device("cuda")  # no GPU: one line now, not after the compile
     ckpt = Checkpoint(model_dir)
     with _progress(ckpt.total_bytes, "compiling") as bar:
-        manifest = compile_checkpoint(ckpt, out_dir, options, force=force, progress=bar.update, log=_log)
+        manifest = compile_checkpoint(ckpt, out_dir, options, force=force, progress=bar.update, log=_log,
+                                      calibration_text=calibration_text)  # fmt: skip
     acc = manifest.accuracy
     if acc.status == "measured":
         _log(

@@ -57,6 +57,17 @@ def describe_identity(root: str | Path) -> str:
     return f"identity      {identity}{note}\n"
 
 
+def _kv_scales(m: Manifest) -> str:
+    """How an FP8 KV cache is scaled: calibrated per layer (min..max), or 1.0."""
+    q, c = m.quantization, m.quantization.kv_calibration
+    if m.options.kv_cache_dtype == "bf16":
+        return ""
+    if q.kv_scales is None:
+        return ", scale 1.0 (uncalibrated)"
+    on = f", calibrated on {c.tokens} tokens" if c is not None else ""
+    return f", per-layer scales {min(q.kv_scales):.3e}..{max(q.kv_scales):.3e}{on}"
+
+
 def describe(m: Manifest) -> str:
     cfg = m.model
     routing = "dense"
@@ -77,7 +88,7 @@ def describe(m: Manifest) -> str:
         + (f" ({m.quantization.fmt}, {m.quantization.block[0]}x{m.quantization.block[1]} blocks, "
            f"{m.quantization.tensors} tensors{', source blocks kept' if m.quantization.kept_source_blocks else ''})"
            if m.quantization.scheme != "none" else ""),
-        f"kv cache      {m.options.kv_cache_dtype}",
+        f"kv cache      {m.options.kv_cache_dtype}" + _kv_scales(m),
         f"versions      mlac {m.mlac_version}, torch {m.torch_version}, triton {m.triton_version}",
     ]  # fmt: skip
     lines += _buckets(m.buckets)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import mlac
-from mlac import accuracy
+from mlac import accuracy, calibrate
 from mlac.artifact import (
     TOKENIZER_DIR,
     AccuracyReport,
@@ -118,14 +118,19 @@ def compile_checkpoint(
     force: bool = False,
     progress: Callable[[int], None] | None = None,
     log: Log = lambda msg: None,
+    calibration_text: str | Path | None = None,
 ) -> Manifest:
-    """Compile a HF DeepSeek checkpoint into an artifact at out_dir (atomically)."""
+    """Compile a HF DeepSeek checkpoint into an artifact at out_dir (atomically). With
+    `calibration_text` and an FP8 KV cache, the cache's per-layer scales are calibrated on that
+    text (calibrate.py) and stored in the manifest; with an unquantized cache there is nothing to
+    calibrate (a warning in the log: the text is not refused, it may serve other reports)."""
     options = options or CompileOptions()
     check_out_dir(out_dir)
     if not isinstance(model_dir, Checkpoint):
         check_options(ModelConfig.from_dir(model_dir), options)
     ckpt = model_dir if isinstance(model_dir, Checkpoint) else Checkpoint(model_dir)
     check_options(ckpt.config, options)
+    calibration_text = _check_calibration(ckpt, options, calibration_text, log)
     cfg = ckpt.config
     log(
         f"source: {cfg.model_type}, {cfg.num_hidden_layers} layers, {ckpt.total_bytes / 1e9:.2f} GB in {len(ckpt.files)} file(s)"
@@ -145,6 +150,8 @@ def compile_checkpoint(
             f"({ckpt.total_bytes / 1e6 / max(elapsed, 1e-9):.0f} MB/s of source)"
         )
         manifest = _manifest(ckpt, options, w)
+        if calibration_text is not None:
+            manifest = _calibrate_kv(ckpt, options, manifest, calibration_text, log)
         report = _accuracy(ckpt, w.root, manifest, log)
         return _commit(w, manifest.model_copy(update={"accuracy": report}))
 
@@ -152,6 +159,35 @@ def compile_checkpoint(
 def _commit(w: ArtifactWriter, manifest: Manifest) -> Manifest:
     w.commit(Manifest.model_validate(manifest.model_dump()))
     return manifest
+
+
+def _check_calibration(
+    ckpt: Checkpoint, options: CompileOptions, text: str | Path | None, log: Log
+) -> str | Path | None:
+    """The calibration text to calibrate the KV cache on, checked before any heavy work; None when
+    there is none, or the KV cache is not FP8 (logged as a warning)."""
+    if text is None:
+        return None
+    calibrate.check_inputs(text, ckpt.dir)
+    if options.kv_cache_dtype not in calibrate.FP8_KV_DTYPES:
+        log(
+            f"warning: --calibration-text with a {options.kv_cache_dtype} KV cache: no KV scales to calibrate"
+        )
+        return None
+    return text
+
+
+def _calibrate_kv(
+    ckpt: Checkpoint, options: CompileOptions, manifest: Manifest, text: str | Path, log: Log
+) -> Manifest:
+    """`manifest` with the FP8 KV cache's per-layer scales, measured on the artifact's own weights
+    compiled in memory on 1 rank (the latents do not depend on the split)."""
+    tensors = compile_tensors(ckpt, options.model_copy(update={"tp": 1, "ep": 1}))[0]
+    scales, record = calibrate.calibrate_kv_scales(
+        ckpt.config, tensors, ckpt.dir, text, options.kv_cache_dtype, log
+    )
+    quant = manifest.quantization.model_copy(update={"kv_scales": scales, "kv_calibration": record})
+    return manifest.model_copy(update={"quantization": quant})
 
 
 def _accuracy(ckpt: Checkpoint, root: Path, manifest: Manifest, log: Log) -> AccuracyReport:

@@ -82,6 +82,18 @@ def kv_storage_dtype(kv_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
     return KV_DTYPES[kv_dtype] or compute_dtype
 
 
+def layer_scales(kv_scale: float | Sequence[float], num_layers: int) -> list[float]:
+    """One positive finite scale per layer: `kv_scale` repeated, or the per-layer list as it is."""
+    single = isinstance(kv_scale, int | float)
+    scales = [float(kv_scale)] * num_layers if single else [float(s) for s in kv_scale]
+    if len(scales) != num_layers:
+        raise MlacError(f"KV cache: {len(scales)} per-layer scales for {num_layers} layers")
+    bad = next((s for s in scales if not (0 < s < float("inf"))), None)
+    if bad is not None:
+        raise MlacError(f"KV cache: scale {bad} is not a positive finite number")
+    return scales
+
+
 class PagedKVCache:
     """Per-layer latent pools [num_blocks, block_size, kv_lora + rope] and their allocator.
 
@@ -106,7 +118,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         kv_dtype: str = "bf16",
-        kv_scale: float = DEFAULT_KV_SCALE,
+        kv_scale: float | Sequence[float] = DEFAULT_KV_SCALE,
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -121,8 +133,8 @@ class PagedKVCache:
             torch.zeros(num_blocks + 1, block_size, self.dim, dtype=self.storage_dtype, device=device)
             for _ in range(config.num_hidden_layers)
         ]
-        n = config.num_hidden_layers
-        self.scales = [torch.full((1,), kv_scale, dtype=torch.float32, device=device) for _ in range(n)]
+        per_layer = layer_scales(kv_scale, config.num_hidden_layers)
+        self.scales = [torch.full((1,), s, dtype=torch.float32, device=device) for s in per_layer]
         self._finite_max = torch.finfo(self.storage_dtype).max if self.quantized else None
 
     @staticmethod
@@ -146,12 +158,13 @@ class PagedKVCache:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         kv_dtype: str = "bf16",
+        kv_scale: float | Sequence[float] = DEFAULT_KV_SCALE,
     ) -> PagedKVCache:
         """As many blocks as fit in `num_bytes` (at least one), the scratch block included."""
         num_blocks = num_bytes // cls.bytes_per_block(config, block_size, dtype, kv_dtype) - 1
         if num_blocks < 1:
             raise MlacError(f"KV cache budget of {num_bytes} bytes holds no block of {block_size} tokens")
-        return cls(config, int(num_blocks), block_size, dtype, device, kv_dtype)
+        return cls(config, int(num_blocks), block_size, dtype, device, kv_dtype, kv_scale)
 
     @property
     def capacity_tokens(self) -> int:

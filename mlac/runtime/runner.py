@@ -38,7 +38,7 @@ from mlac.runtime.dist import (
     send_step,
 )
 from mlac.runtime.graphs import DecodeGraphs
-from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
+from mlac.runtime.kv_cache import DEFAULT_KV_SCALE, ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Weights
 from mlac.runtime.loader import check_files, load_artifact
 from mlac.runtime.memory_plan import KVPlan, bucket_plan, check_max_model_len, plan_ranks
@@ -110,16 +110,19 @@ def make_cache(
     kv_cache_bytes: int | None = None,
     block_size: int = 16,
     kv_dtype: str = "bf16",
+    kv_scales: list[float] | None = None,
 ) -> PagedKVCache:
     """`num_blocks`, else a byte budget (default 1 GiB, capped at 4 sequences of max context: the
     CPU default; on CUDA make_runner passes the memory plan's num_blocks); `kv_dtype` is the
-    artifact's options.kv_cache_dtype."""
+    artifact's options.kv_cache_dtype, `kv_scales` its quantization.kv_scales (one per layer;
+    None: DEFAULT_KV_SCALE for every layer)."""
+    scale = DEFAULT_KV_SCALE if kv_scales is None else kv_scales
     if num_blocks is None and kv_cache_bytes is not None:
-        return PagedKVCache.from_budget(config, kv_cache_bytes, block_size, dtype, device, kv_dtype)
+        return PagedKVCache.from_budget(config, kv_cache_bytes, block_size, dtype, device, kv_dtype, scale)
     if num_blocks is None:
         fits = DEFAULT_KV_CACHE_BYTES // PagedKVCache.bytes_per_block(config, block_size, dtype, kv_dtype)
         num_blocks = max(1, min(fits, -(-4 * config.max_position_embeddings // block_size)))
-    return PagedKVCache(config, num_blocks, block_size, dtype, device, kv_dtype)
+    return PagedKVCache(config, num_blocks, block_size, dtype, device, kv_dtype, scale)
 
 
 @dataclass(frozen=True)
@@ -254,8 +257,10 @@ def build_runner(
     source = job.path if plan.world_size == 1 else f"{job.path} (rank {rank})"
     model = DeepseekModel(cfg, Weights(loaded.tensors, source=source), ctx)
     o = job.options
-    kv_dtype = loaded.manifest.options.kv_cache_dtype
-    cache = make_cache(cfg, device, job.dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype)
+    kv_dtype, kv_scales = loaded.manifest.options.kv_cache_dtype, loaded.manifest.quantization.kv_scales
+    cache = make_cache(
+        cfg, device, job.dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype, kv_scales
+    )
     graphs = None
     if o.graphs_on(device, job.dtype):
         start = time.perf_counter()
