@@ -94,6 +94,13 @@ class AccuracyReport(Frozen):
     rel_l2: float | None = None  # ‖compiled − ref‖ / ‖ref‖ over all probe logits
     max_abs: float | None = None
     top1_agreement: float | None = None  # fraction of positions with the same argmax
+    # over the --calibration-text tokens (accuracy.py; None without calibration text):
+    text_tokens: int | None = None  # calibration tokens scored (calibrate.text_tokens)
+    text_window: int | None = None  # tokens per perplexity window (non-overlapping)
+    source_perplexity: float | None = None  # the reference's (mlac.evaluate.perplexity)
+    artifact_perplexity: float | None = None  # the artifact's, with its KV-cache dtype and scales
+    text_top1_agreement: float | None = None  # same argmax, over every position of the text
+    kv_fp8_perplexity_cost: float | None = None  # FP8 KV cache: artifact ppl minus with an unquantized cache
 
 
 class BucketPlan(Frozen):

@@ -58,6 +58,18 @@ def check_inputs(text_path: str | Path, tokenizer_dir: Path) -> None:
         raise MlacError(f"{tokenizer_dir}: no tokenizer.json to tokenize the calibration text with")
 
 
+def text_tokens(tokenizer_dir: Path, text_path: str | Path) -> list[int]:
+    """The calibration tokens: the first MAX_TOKENS ids of the text of `text_path` encoded by the
+    checkpoint's tokenizer (`tokenizer_dir`, bos prepended); MlacError if the text has none."""
+    from mlac.runtime.tokenizer import Tokenizer  # here: a compile without calibration never loads it
+
+    check_inputs(text_path, tokenizer_dir)
+    ids = Tokenizer(tokenizer_dir).encode(read_text(text_path))
+    if not ids:
+        raise MlacError(f"--calibration-text {text_path}: the text has no tokens")
+    return ids[:MAX_TOKENS]
+
+
 def windows(ids: list[int], window: int) -> list[list[int]]:
     """Consecutive windows of at most `window` tokens over the first MAX_TOKENS of `ids`."""
     ids = ids[:MAX_TOKENS]
@@ -100,14 +112,9 @@ def calibrate_kv_scales(
     """Per-layer scales of an FP8 KV cache of `kv_dtype` ("fp8_e4m3" / "fp8_e5m2") for the model
     of `tensors` (1 rank), from the text of `text_path` tokenized by the checkpoint's tokenizer
     (`tokenizer_dir`, bos prepended); and the record of what they were measured on (the manifest's)."""
-    from mlac.runtime.tokenizer import Tokenizer
-
     if kv_dtype not in FP8_KV_DTYPES:
         raise MlacError(f"KV calibration needs an FP8 KV cache dtype, not {kv_dtype!r}")
-    check_inputs(text_path, tokenizer_dir)
-    ids = Tokenizer(tokenizer_dir).encode(read_text(text_path))
-    if not ids:
-        raise MlacError(f"--calibration-text {text_path}: the text has no tokens")
+    ids = text_tokens(tokenizer_dir, text_path)
     window = min(WINDOW, config.max_position_embeddings)
     chunks = windows(ids, window)
     used = sum(len(c) for c in chunks)

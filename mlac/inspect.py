@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from mlac.artifact import IDENTITY, BucketPlan, KernelCache, Manifest, artifact_identity, recorded_identity
+from mlac.artifact import (
+    IDENTITY,
+    AccuracyReport,
+    BucketPlan,
+    KernelCache,
+    Manifest,
+    artifact_identity,
+    recorded_identity,
+)
 
 
 def _gb(n: int) -> str:
@@ -105,4 +113,20 @@ def describe(m: Manifest) -> str:
                      f"max_abs={a.max_abs:.3e} top1={a.top1_agreement:.4f}")  # fmt: skip
     else:
         lines.append(f"accuracy      skipped: {a.reason}")
+    lines += _text_accuracy(a)
     return "\n".join(lines) + "\n"
+
+
+def _text_accuracy(a: AccuracyReport) -> list[str]:
+    """The perplexity lines of a report measured on calibration text (none without)."""
+    if a.source_perplexity is None or a.artifact_perplexity is None:
+        return []
+    lines = [
+        f"perplexity    source {a.source_perplexity:.4f}, artifact {a.artifact_perplexity:.4f} "
+        f"({a.artifact_perplexity - a.source_perplexity:+.4f}) over {a.text_tokens} calibration tokens, "
+        f"windows of {a.text_window}",
+        f"top-1         {a.text_top1_agreement:.4f} agreement with the source over the calibration text",
+    ]
+    if a.kv_fp8_perplexity_cost is not None:
+        lines.append(f"kv fp8 cost   {a.kv_fp8_perplexity_cost:+.4f} perplexity (vs an unquantized KV cache)")
+    return lines

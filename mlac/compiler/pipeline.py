@@ -123,14 +123,15 @@ def compile_checkpoint(
     """Compile a HF DeepSeek checkpoint into an artifact at out_dir (atomically). With
     `calibration_text` and an FP8 KV cache, the cache's per-layer scales are calibrated on that
     text (calibrate.py) and stored in the manifest; with an unquantized cache there is nothing to
-    calibrate (a warning in the log: the text is not refused, it may serve other reports)."""
+    calibrate (a warning in the log). Either way the accuracy report adds perplexity over the
+    text's tokens (accuracy.py)."""
     options = options or CompileOptions()
     check_out_dir(out_dir)
     if not isinstance(model_dir, Checkpoint):
         check_options(ModelConfig.from_dir(model_dir), options)
     ckpt = model_dir if isinstance(model_dir, Checkpoint) else Checkpoint(model_dir)
     check_options(ckpt.config, options)
-    calibration_text = _check_calibration(ckpt, options, calibration_text, log)
+    kv_text = _check_calibration(ckpt, options, calibration_text, log)
     cfg = ckpt.config
     log(
         f"source: {cfg.model_type}, {cfg.num_hidden_layers} layers, {ckpt.total_bytes / 1e9:.2f} GB in {len(ckpt.files)} file(s)"
@@ -150,9 +151,9 @@ def compile_checkpoint(
             f"({ckpt.total_bytes / 1e6 / max(elapsed, 1e-9):.0f} MB/s of source)"
         )
         manifest = _manifest(ckpt, options, w)
-        if calibration_text is not None:
-            manifest = _calibrate_kv(ckpt, options, manifest, calibration_text, log)
-        report = _accuracy(ckpt, w.root, manifest, log)
+        if kv_text is not None:
+            manifest = _calibrate_kv(ckpt, options, manifest, kv_text, log)
+        report = _accuracy(ckpt, w.root, manifest, log, calibration_text)
         return _commit(w, manifest.model_copy(update={"accuracy": report}))
 
 
@@ -190,11 +191,21 @@ def _calibrate_kv(
     return manifest.model_copy(update={"quantization": quant})
 
 
-def _accuracy(ckpt: Checkpoint, root: Path, manifest: Manifest, log: Log) -> AccuracyReport:
-    """The artifact at root against the source compiled in memory without FP8, on 1 rank."""
+def _accuracy(
+    ckpt: Checkpoint, root: Path, manifest: Manifest, log: Log, text: str | Path | None = None
+) -> AccuracyReport:
+    """The artifact at root against the source compiled in memory without FP8, on 1 rank; with
+    calibration `text`, also perplexity over its tokens (accuracy.TextCheck)."""
     params = sum(info.nbytes // info.dtype.itemsize for info in ckpt.where.values())
     reference = lambda: compile_tensors(ckpt, CompileOptions())[0]  # noqa: E731
-    return accuracy.measure_accuracy(root, manifest, reference, params, log)
+    check = None
+    if text is not None and manifest.options.accuracy_check:
+        one_rank = manifest.options.model_copy(update={"tp": 1, "ep": 1})
+        check = accuracy.TextCheck(
+            tokens=calibrate.text_tokens(ckpt.dir, text),
+            artifact_tensors=lambda: compile_tensors(ckpt, one_rank)[0],
+        )
+    return accuracy.measure_accuracy(root, manifest, reference, params, log, check)
 
 
 def _manifest(ckpt: Checkpoint, options: CompileOptions, w: ArtifactWriter) -> Manifest:
