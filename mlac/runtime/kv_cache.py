@@ -22,10 +22,16 @@ import torch
 
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.runtime.prefix_cache import PrefixCache
 
 
 class BlockAllocator:
-    """Free list of block ids [0, num_blocks) of `block_size` tokens. Freed blocks are reused first."""
+    """Free list of block ids [0, num_blocks) of `block_size` tokens. Freed blocks are reused first.
+
+    With a prefix cache attached (`reclaimer`, see prefix_cache.py), blocks it holds that no
+    sequence uses count as free: `alloc` evicts them (least recently used first) when the free
+    list runs short. `num_unused` is the free list alone.
+    """
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
@@ -36,12 +42,25 @@ class BlockAllocator:
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._used: set[int] = set()
+        self.reclaimer = None  # a PrefixCache: num_evictable, evict(n)
+
+    @property
+    def num_unused(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks `alloc` can hand out: the free list and the evictable cached blocks."""
+        return len(self._free) + (self.reclaimer.num_evictable if self.reclaimer is not None else 0)
+
+    def free_list(self) -> list[int]:
+        """The block ids on the free list (a copy)."""
+        return list(self._free)
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.evict(n - len(self._free))
         if n > len(self._free):
             raise MlacError(
                 f"KV cache full: {n} block(s) wanted, {len(self._free)} free of {self.num_blocks}"
@@ -128,6 +147,7 @@ class PagedKVCache:
         self.storage_dtype = kv_storage_dtype(kv_dtype, dtype)
         self.quantized = KV_DTYPES[kv_dtype] is not None
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.prefix = PrefixCache(self.allocator)  # shared prefix blocks; the scheduler may use it
         self.scratch_block = num_blocks  # not in the allocator: CUDA-graph padding rows only
         self.layers = [
             torch.zeros(num_blocks + 1, block_size, self.dim, dtype=self.storage_dtype, device=device)

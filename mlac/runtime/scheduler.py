@@ -16,6 +16,12 @@ of its tokens are in the cache (`num_computed`). Each `Scheduler.step()`:
 4. runs one forward over every scheduled token (prefill chunks and decodes mixed), samples a
    token for each sequence whose tokens are now all cached, and decides which ones finish.
 
+With the prefix cache on (`SchedulerConfig.prefix_cache`, prefix_cache.py), an admitted sequence
+first takes the longest cached full-block prefix of its tokens (never all of them: the last one
+runs, for its logits): those blocks head its table and count as computed. A sequence that
+finishes, is aborted or is preempted gives its computed full blocks to the cache. Cached blocks
+that no sequence uses count as free (evicted on demand), so eviction comes before preemption.
+
 The oldest sequence is never preempted by another, so it always progresses: no request is
 dropped, and every request finishes. The scheduler is single-threaded; callers on other threads
 go through an inbox (see server.EngineLoop).
@@ -32,6 +38,7 @@ from typing import Literal
 import torch
 
 from mlac.errors import MlacError
+from mlac.runtime.prefix_cache import Node
 from mlac.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from mlac.runtime.step import Step
 from mlac.runtime.tokenizer import IncrementalDetokenizer
@@ -45,6 +52,7 @@ class SchedulerConfig:
 
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048  # most prompt tokens run in one step, over all sequences
+    prefix_cache: bool = True  # reuse cached prompt prefixes (radix cache, prefix_cache.py)
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunked_prefill_size"):
@@ -83,6 +91,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_at: int | None = None  # where a stop string starts in detok.text
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
+    prefix: Node | None = None  # its matched prefix-cache node while it holds blocks
     first_token_time: float | None = None
     last_token_time: float | None = None
     _sent_tokens: int = 0
@@ -187,6 +197,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # by seq_id
         self._aborts: set[int] = set()
         self.num_preemptions = 0
+        self.prefix = self.cache.prefix if self.config.prefix_cache else None
+        self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix cache (at admission)
+        self.prefix_query_tokens = 0  # prompt tokens looked up in it
         alloc = self.cache.allocator
         self._watermark = max(1, alloc.num_blocks // 100)  # blocks kept free when admitting
 
@@ -243,11 +256,20 @@ class Scheduler:
         return gone
 
     def _release(self, seq: Sequence) -> None:
-        self.cache.allocator.free(seq.block_table)
-        seq.block_table = []
+        """Give back `seq`'s blocks and take it out of the queues."""
+        self._free_blocks(seq)
         for queue in (self.waiting, self.running):
             if seq in queue:
                 queue.remove(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Its computed full blocks to the prefix cache (when on), the others to the free list."""
+        blocks = seq.block_table
+        if seq.prefix is not None:
+            blocks = self.prefix.insert(seq.prefix, seq.tokens(0, seq.num_computed), blocks)
+            seq.prefix = None
+        self.cache.allocator.free(blocks)
+        seq.block_table = []
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it recomputes prompt + output when admitted again."""
@@ -285,19 +307,69 @@ class Scheduler:
             budget -= 0 if seq.decoding else n
             plan.append((seq, n))
             i += 1
-        alloc = self.cache.allocator
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
-            n = min(seq.num_tokens, budget)
-            reserve = self._watermark if self.running else 0
-            if alloc.blocks_for(n) + reserve > alloc.num_free:
+            n = self._admit(seq, budget)
+            if n == 0:
                 break  # oldest first: no younger request overtakes it
             self.waiting.pop(0)
-            alloc.reserve(seq.block_table, n)
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
             plan.append((seq, n))
             budget -= n
         return plan
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Take `seq`'s cached prefix and the blocks of its first chunk; the chunk's length, or 0
+        (holding nothing) when its blocks are not free."""
+        alloc = self.cache.allocator
+        if self.prefix is not None:
+            seq.prefix = self.prefix.match(
+                seq.tokens(0, seq.num_tokens), (seq.num_tokens - 1) // alloc.block_size
+            )
+            seq.block_table = self.prefix.blocks(seq.prefix)
+            seq.num_computed = len(seq.block_table) * alloc.block_size
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        reserve = self._watermark if self.running else 0
+        if alloc.blocks_for(seq.num_computed + n) - len(seq.block_table) + reserve > alloc.num_free:
+            self._free_blocks(seq)
+            seq.num_computed = 0
+            return 0
+        alloc.reserve(seq.block_table, seq.num_computed + n)
+        if self.prefix is not None:
+            self._count_hit(seq)
+        return n
+
+    def _count_hit(self, seq: Sequence) -> None:
+        if seq.num_preemptions == 0:  # a recompute after preemption is not a prompt lookup
+            seq.num_cached_tokens = seq.num_computed
+            self.prefix_hit_tokens += seq.num_computed
+            self.prefix_query_tokens += len(seq.prompt_ids)
+
+    def check_blocks(self) -> dict[str, int]:
+        """Check that every block is accounted for, exactly once: on the free list, cached and
+        unreferenced, or in a running sequence's table (cached and referenced blocks among them,
+        each referenced as often as running sequences hold it). Returns the counts; MlacError
+        says what is wrong."""
+        alloc, prefix = self.cache.allocator, self.cache.prefix
+        free, tables = alloc.free_list(), [s.block_table for s in self.running]
+        held = [b for t in tables for b in t]
+        nodes = list(prefix.nodes())
+        unref = [x.block for x in nodes if x.refs == 0]
+        shared = {x.block: x.refs for x in nodes if x.refs > 0}
+        counts = {b: held.count(b) for b in set(held)}
+        private = [b for b, c in counts.items() if b not in shared and c != 1]
+        wrong = [b for b, r in shared.items() if counts.get(b, 0) != r]
+        everything = free + unref + list(counts)
+        if private or wrong or len(set(everything)) != len(everything) or len(everything) != alloc.num_blocks:
+            raise MlacError(
+                f"KV blocks unaccounted for: {len(free)} free + {len(unref)} cached + {len(counts)} in use "
+                f"!= {alloc.num_blocks}, or shared wrongly (private {private}, refs {wrong})"
+            )
+        if len(unref) != prefix.num_evictable:
+            raise MlacError(
+                f"prefix cache counts {prefix.num_evictable} evictable blocks, holds {len(unref)}"
+            )
+        return {"free": len(free), "cached": len(unref), "in_use": len(counts)}
 
     def _run(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
         seqs = [s for s, _ in plan]
