@@ -469,6 +469,11 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
     help="Most prompt tokens run per step.",
 )
 @click.option(
+    "--disable-radix-cache",
+    is_flag=True,
+    help="Recompute every prompt from its start (no prefix cache shared between requests).",
+)
+@click.option(
     "--kv-cache-bytes",
     type=int,
     default=None,
@@ -530,7 +535,8 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
 @_memory_options
 @click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
-def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
+def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size,
+          disable_radix_cache, kv_cache_bytes,
           num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, request_body_timeout, nnodes,
           node_rank, master_addr, master_port, cuda_graph, cuda_graph_max_bs, warmup, log_level, no_verify,
           require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
@@ -554,7 +560,8 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
     launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
     config = ServerConfig(
         artifact=out_dir, host=host, port=port, api_key=api_key_from_env(api_key), device=device, dtype=dtype,
-        scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size),
+        scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+                                  prefix_cache=not disable_radix_cache),
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
         request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify, cuda_graph=cuda_graph,

@@ -202,3 +202,40 @@ def test_off_uses_no_cache(engine):
     run(engine, [SYSTEM], ON)
     (s,), sched = run(engine, [SYSTEM + [1]], OFF)
     assert s.num_cached_tokens == 0 and sched.prefix_query_tokens == 0
+
+
+# ---- through the server --------------------------------------------------------------------------
+
+
+def served(art, prefix_cache: bool) -> tuple[list[dict], dict[str, float]]:
+    """Usage of the same completion asked twice, and the prefix-cache counters of /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlac.runtime.serve import ServerConfig, ServerThread
+
+    limits = SchedulerConfig(prefix_cache=prefix_cache)
+    cfg = ServerConfig(
+        artifact=art, dtype="float32", verify=False, served_model_name="tiny", scheduler=limits
+    )
+    body = {"model": "tiny", "prompt": list(range(5, 45)), "max_tokens": 3, "ignore_eos": True}
+    with ServerThread(cfg) as srv:
+        usage = [httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()["usage"] for _ in "ab"]
+        text = httpx.get(f"{srv.url}/metrics").text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return usage, {
+        k: v for k, v in samples.items() if k.startswith("mlac_prefix_cache") and k.endswith("_total")
+    }
+
+
+def test_usage_and_metrics_report_cached_tokens(artifact):
+    art = artifact("tiny-v3")
+    usage, counters = served(art, prefix_cache=True)
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage] == [0, 32]  # 16-token blocks
+    assert counters == {
+        "mlac_prefix_cache_hit_tokens_total": 32,
+        "mlac_prefix_cache_queries_tokens_total": 80,
+    }
+    usage, counters = served(art, prefix_cache=False)
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage] == [0, 0]
+    assert counters["mlac_prefix_cache_hit_tokens_total"] == 0

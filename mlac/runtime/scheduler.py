@@ -72,6 +72,7 @@ class Delta:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int  # so far
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(eq=False)
@@ -162,7 +163,14 @@ class Sequence:
         ids, lps = self.output_ids[self._sent_tokens :], self.logprobs[self._sent_tokens :]
         self._sent_tokens = len(self.output_ids)
         return Delta(
-            self.seq_id, new_text, ids, lps, self.finish_reason, len(self.prompt_ids), len(self.output_ids)
+            self.seq_id,
+            new_text,
+            ids,
+            lps,
+            self.finish_reason,
+            len(self.prompt_ids),
+            len(self.output_ids),
+            self.num_cached_tokens,
         )
 
 

@@ -180,7 +180,8 @@ class EngineLoop:
                 self._finish(seq.seq_id, ShuttingDown(item[1]))
 
     def _step(self) -> None:
-        preempted = self.scheduler.num_preemptions
+        s = self.scheduler
+        preempted, hits, queries = s.num_preemptions, s.prefix_hit_tokens, s.prefix_query_tokens
         try:
             news = self.scheduler.step()
         except Exception as e:  # a failed step fails its requests, not the server
@@ -193,6 +194,8 @@ class EngineLoop:
         m, s = self.metrics, self.scheduler
         m.generation_tokens.inc(tokens)
         m.preemptions.inc(s.num_preemptions - preempted)
+        m.prefix_hit_tokens.inc(s.prefix_hit_tokens - hits)
+        m.prefix_query_tokens.inc(s.prefix_query_tokens - queries)
         m.running.set(s.num_running)
         m.waiting.set(s.num_waiting)
         m.kv_usage.set(self.engine.cache.usage)

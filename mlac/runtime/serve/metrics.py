@@ -39,6 +39,14 @@ class Metrics:
         )
         self.prompt_tokens = Counter("mlac_prompt_tokens", "Prompt tokens of submitted requests", registry=r)
         self.generation_tokens = Counter("mlac_generation_tokens", "Generated tokens", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "mlac_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.prefix_query_tokens = Counter(
+            "mlac_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache (hit rate = hit / queries)",
+            registry=r,
+        )
         self.preemptions = Counter("mlac_preemptions", "Requests preempted for lack of KV blocks", registry=r)
         self.jit_compiles = Counter(
             "mlac_triton_jit_compiles",

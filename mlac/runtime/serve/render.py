@@ -74,6 +74,7 @@ class Render:
         self.finish: list[str | None] = [None] * n
         self.prompt_tokens = [0] * n
         self.completion_tokens = [0] * n
+        self.cached_tokens = [0] * n  # prompt tokens served from the prefix cache
         self._chunk_head: str | None = None
 
     def add(self, i: int, d: Delta) -> None:
@@ -81,10 +82,17 @@ class Render:
         self.logprobs[i] += d.logprobs
         self.finish[i] = d.finish_reason
         self.prompt_tokens[i], self.completion_tokens[i] = d.prompt_tokens, d.completion_tokens
+        self.cached_tokens[i] = d.cached_tokens
 
     def usage(self) -> dict:
         p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        details = {"cached_tokens": sum(self.cached_tokens)}
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": details,
+        }
 
     def chunk_event(self, i: int, d: Delta, include_usage: bool) -> str:
         """The event of choice i's delta d: exactly `event({**envelope, "choices": [choice],
