@@ -213,8 +213,9 @@ class Engine:
         (GEMM decode / mid / prefill tiles, MoE rows per expert, MHA or absorbed prefill form), and
         per integer argument equal to 1 or divisible by 16. Hence decode batches of 1, 3, 16 and
         max_running_requests (4-token prompts: absorbed-form prefills of 4-4·max tokens), and
-        one-sequence prefills of 100 tokens (MHA form) and of the chunk size. Shapes that do not fit
-        the KV cache or the context are left out."""
+        one-sequence prefills of 100 tokens (MHA form) and of the chunk size, each run a second time
+        with the prefix cache on (an extend after a cached prefix). Shapes that do not fit the KV
+        cache or the context are left out."""
         if self.device.type != "cuda" and not force:
             return []
         limits = self.scheduler_config
@@ -227,6 +228,8 @@ class Engine:
                 continue
             prompts = [[3 + (i * 31 + j * 7) % (vocab - 3) for j in range(length)] for i in range(n_seq)]
             self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+            if self.scheduler_config.prefix_cache and n_seq == 1 and length > alloc.block_size:
+                self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # an extend after a cached prefix
             ran.append((n_seq, length))
         return ran
 
