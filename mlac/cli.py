@@ -269,6 +269,8 @@ def synth(preset, out_dir, config_path, seed, num_layers):
     "--prompt", required=True, help="Prompt text (encoded with the artifact's tokenizer, BOS prepended)."
 )
 @click.option("--chat", is_flag=True, help="Render the prompt as one user message through the chat template.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja chat template file used instead of the artifact's.")  # fmt: skip
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -285,7 +287,7 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @_memory_options
 @click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
-def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify,
+def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify,
              cuda_graph, cuda_graph_max_bs, require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Load an artifact and print a completion of --prompt."""
     import torch
@@ -297,8 +299,10 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed,
                                   verify=not no_verify, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                                   max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                   kernel_cache=_cache_mode(require_prepared))  # fmt: skip
-    if chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if chat_template is not None:
+        engine.tokenizer.use_chat_template(chat_template)
+    if chat:  # ids, not text: the template wrote bos, and encoding its text would add a second one
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=list(stop) or None)  # fmt: skip
     click.echo(out.text)
@@ -495,6 +499,8 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
     help="Seconds SIGTERM waits for running requests.",
 )
 @click.option("--served-model-name", default=None, help="Model id of the API (default: OUT_DIR's name).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja chat template file used instead of the artifact's.")  # fmt: skip
 @click.option(
     "--max-body-bytes", type=int, default=4 << 20, show_default=True, help="Largest request body accepted."
 )
@@ -531,7 +537,7 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
 @click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size, kv_cache_bytes,
-          num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, request_body_timeout, nnodes,
+          num_blocks, max_queue, drain_timeout, served_model_name, chat_template, max_body_bytes, request_body_timeout, nnodes,
           node_rank, master_addr, master_port, cuda_graph, cuda_graph_max_bs, warmup, log_level, no_verify,
           require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
@@ -560,6 +566,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify, cuda_graph=cuda_graph,
         cuda_graph_max_bs=cuda_graph_max_bs, gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=max_model_len, process_start=PROCESS_START, require_prepared=require_prepared,
+        chat_template=chat_template,
     )  # fmt: skip
     if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
         load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process

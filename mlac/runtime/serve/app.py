@@ -30,7 +30,7 @@ from mlac.runtime.serve.protocol import (
     Body,
     ChatBody,
     CompletionBody,
-    message_text,
+    chat_messages,
     new_sequence,
     parse_body,
     prompt_list,
@@ -164,13 +164,11 @@ class Api:
         engine = self._admit(body)
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
-        messages = [
-            {**m.model_dump(exclude_none=True), "content": message_text(m.content)} for m in body.messages
-        ]
+        messages = chat_messages(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
         def make() -> list[Sequence]:
-            ids = _encode_chat(engine, messages)
+            ids = _encode_chat(engine, messages, body)
             max_tokens = (
                 body.max_completion_tokens or body.max_tokens or max(1, engine.max_context - len(ids))
             )
@@ -199,11 +197,14 @@ class Api:
         return self.loop.engine
 
 
-def _encode_chat(engine, messages: list[dict]) -> list[int]:
+def _encode_chat(engine, messages: list[dict], body: ChatBody) -> list[int]:
+    """The chat prompt's ids: the template over messages, tools and chat_template_kwargs; 400 when
+    the template refuses them."""
     from jinja2.exceptions import TemplateError
 
+    kwargs = body.chat_template_kwargs or {}
     try:
-        return engine.tokenizer.encode_chat(messages)
+        return engine.tokenizer.encode_chat(messages, body.add_generation_prompt, body.tools, **kwargs)
     except TemplateError as e:
         raise ApiError(400, f"chat template refused the messages: {e}", param="messages") from None
 

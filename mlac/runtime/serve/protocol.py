@@ -90,6 +90,18 @@ class ChatBody(Body):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"thinking": true}
+    add_generation_prompt: bool = True
+
+
+def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them: every field given (tool_calls, tool_call_id,
+    name, ...), content as text, and a null content kept null (an assistant turn of tool calls)."""
+    return [
+        {**m.model_dump(exclude_none=True), "content": None if m.content is None else message_text(m.content)}
+        for m in body.messages
+    ]
 
 
 UNSUPPORTED = {
