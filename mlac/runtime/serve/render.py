@@ -64,6 +64,7 @@ class Render:
     chunk_object = ""
     id_prefix = ""
     want_logprobs = False
+    choices_per_prompt = 1  # n: choices i*n .. i*n+n-1 share prompt i
 
     def __init__(self, tokenizer, model: str, n: int = 1):
         self.tok, self.model = tokenizer, model
@@ -83,7 +84,8 @@ class Render:
         self.prompt_tokens[i], self.completion_tokens[i] = d.prompt_tokens, d.completion_tokens
 
     def usage(self) -> dict:
-        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        """Token counts; a prompt's tokens count once however many choices (n) it has."""
+        p, c = sum(self.prompt_tokens[:: self.choices_per_prompt]), sum(self.completion_tokens)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def chunk_event(self, i: int, d: Delta, include_usage: bool) -> str:
@@ -157,8 +159,8 @@ class ChatRender(Render):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, model: str, logprobs: bool):
-        super().__init__(tokenizer, model, 1)
+    def __init__(self, tokenizer, model: str, n: int, logprobs: bool):
+        super().__init__(tokenizer, model, n)
         self.want_logprobs = logprobs
 
     def _entry(self, token_id: int, logprob: float) -> dict:
@@ -175,13 +177,21 @@ class ChatRender(Render):
         return {"content": content}
 
     def start(self) -> list[dict]:
-        first = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [self.envelope([first], self.chunk_object)]
+        """One chunk per choice that opens its assistant message."""
+        return [
+            self.envelope(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                self.chunk_object,
+            )
+            for i in range(len(self.text))
+        ]
 
     def chunk_choice(self, i: int, d: Delta) -> dict:
         self.add(i, d)
@@ -190,7 +200,9 @@ class ChatRender(Render):
                 "finish_reason": d.finish_reason}  # fmt: skip
 
     def body(self) -> dict:
-        message = {"role": "assistant", "content": self.text[0]}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(self.logprobs[0]),
-                  "finish_reason": self.finish[0]}  # fmt: skip
-        return {**self.envelope([choice]), "usage": self.usage()}
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": self.text[i]},
+             "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
+            for i in range(len(self.text))
+        ]  # fmt: skip
+        return {**self.envelope(choices), "usage": self.usage()}
