@@ -189,7 +189,7 @@ class Api:
 
         sub = Submission(self.loop, await _in_thread(make))
         self._count(request, 200)
-        render = ChatRender(engine.tokenizer, self.config.model_name, body.n, body.logprobs)
+        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n)
         render.choices_per_prompt = body.n
         return await _respond(request, body, sub, render)
 

@@ -159,7 +159,7 @@ class ChatRender(Render):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, model: str, n: int, logprobs: bool):
+    def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1):
         super().__init__(tokenizer, model, n)
         self.want_logprobs = logprobs
 
