@@ -269,10 +269,15 @@ def synth(preset, out_dir, config_path, seed, num_layers):
     "--prompt", required=True, help="Prompt text (encoded with the artifact's tokenizer, BOS prepended)."
 )
 @click.option("--chat", is_flag=True, help="Render the prompt as one user message through the chat template.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja chat template file used instead of the artifact's.")  # fmt: skip
 @click.option("--max-tokens", type=int, default=32, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 means off.")
+@click.option("--temperature", type=float, default=None, help="0 means greedy (default: --generation-config's).")
+@click.option("--top-p", type=float, default=None, help="Default: --generation-config's.")
+@click.option("--top-k", type=int, default=None, help="0 means off (default: --generation-config's).")
+@click.option("--generation-config", default="auto", show_default=True,
+              help="Default sampling of requests that leave it out: auto (the artifact's generation_config.json), "
+                   "vllm or none (mlac's: temperature 1, no top-p/top-k), or a folder with a generation_config.json.")  # fmt: skip
 @click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same output).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is present).")
@@ -285,20 +290,26 @@ def synth(preset, out_dir, config_path, seed, num_layers):
 @_memory_options
 @click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
-def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, seed, stop, device, dtype, no_verify,
+def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_p, top_k, generation_config, seed, stop, device, dtype, no_verify,
              cuda_graph, cuda_graph_max_bs, require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Load an artifact and print a completion of --prompt."""
     import torch
 
     from mlac.runtime.device import check_device
     from mlac.runtime.engine import Engine
+    from mlac.runtime.generation_config import sampling_defaults
 
     engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
                                   verify=not no_verify, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                                   max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                   kernel_cache=_cache_mode(require_prepared))  # fmt: skip
-    if chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if chat_template is not None:
+        engine.tokenizer.use_chat_template(chat_template)
+    if chat:  # ids, not text: the template wrote bos, and encoding its text would add a second one
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    d = sampling_defaults(out_dir, generation_config)
+    temperature, top_p = d.temperature if temperature is None else temperature, d.top_p if top_p is None else top_p
+    top_k = d.top_k if top_k is None else top_k
     out = engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=seed, stop=list(stop) or None)  # fmt: skip
     click.echo(out.text)
@@ -500,6 +511,11 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
     help="Seconds SIGTERM waits for running requests.",
 )
 @click.option("--served-model-name", default=None, help="Model id of the API (default: OUT_DIR's name).")
+@click.option("--generation-config", default="auto", show_default=True,
+              help="Default sampling of requests that leave it out: auto (the artifact's generation_config.json), "
+                   "vllm or none (mlac's: temperature 1, no top-p/top-k), or a folder with a generation_config.json.")  # fmt: skip
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja chat template file used instead of the artifact's.")  # fmt: skip
 @click.option(
     "--max-body-bytes", type=int, default=4 << 20, show_default=True, help="Largest request body accepted."
 )
@@ -537,7 +553,8 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
 @friendly_errors
 def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chunked_prefill_size,
           disable_radix_cache, kv_cache_bytes,
-          num_blocks, max_queue, drain_timeout, served_model_name, max_body_bytes, request_body_timeout, nnodes,
+          num_blocks, max_queue, drain_timeout, served_model_name, generation_config, chat_template,
+          max_body_bytes, request_body_timeout, nnodes,
           node_rank, master_addr, master_port, cuda_graph, cuda_graph_max_bs, warmup, log_level, no_verify,
           require_prepared, gpu_memory_utilization, max_model_len):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
@@ -567,6 +584,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify, cuda_graph=cuda_graph,
         cuda_graph_max_bs=cuda_graph_max_bs, gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=max_model_len, process_start=PROCESS_START, require_prepared=require_prepared,
+        chat_template=chat_template, generation_config=generation_config,
     )  # fmt: skip
     if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
         load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process

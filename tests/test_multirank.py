@@ -223,7 +223,7 @@ def test_torchrun_generate(compiled, reference):
     """The CLI under torchrun: every process calls make_runner; rank 1 serves and exits 0."""
     path = compiled("tiny-v2", 2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "mlac.cli", "generate", str(path), "--prompt", "hello world", "--max-tokens", "8",
+           "-m", "mlac.cli", "generate", str(path), "--prompt", "hello world", "--max-tokens", "8", "--temperature", "0",
            "--dtype", "float32"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

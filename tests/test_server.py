@@ -359,7 +359,7 @@ BAD = [
         "min_p",
         None,
     ),
-    ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, AUTH, 400, "n", None),
+    ("n > 16", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, AUTH, 400, "n", None),
     (
         "prompt too long",
         "/v1/completions",

@@ -42,6 +42,7 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "generation_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
 )
 GLOBAL_FILES = {"embed.safetensors": ("embed",), "head.safetensors": ("norm", "head")}
 

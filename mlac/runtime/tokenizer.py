@@ -1,12 +1,16 @@
 """The artifact's tokenizer: `tokenizers` for the vocabulary, jinja2 (sandboxed) for chat templates.
 
 Reads artifact/tokenizer/tokenizer.json and tokenizer_config.json (bos/eos tokens, add_bos_token,
-chat_template). Prompts are encoded with bos prepended, as DeepSeek's tokenizers do.
+chat_template) and chat_template.jinja (where transformers 5 saves a template; it wins over the
+config's, as in transformers). Prompts are encoded with bos prepended, as DeepSeek's tokenizers do;
+chat prompts are not (the template writes bos itself), so bos appears exactly once.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,47 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _config_template(value: Any) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {"name", "template"} (the
+    "default" one is used, as transformers does)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value
+
+
+def read_chat_template(root: Path, cfg: dict[str, Any]) -> str | None:
+    """`root`/chat_template.jinja if present, else tokenizer_config.json's chat_template."""
+    jinja = root / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    return _config_template(cfg.get("chat_template"))
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson filter (jinja2's escapes HTML characters; templates expect it not to)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def compile_template(source: str):
+    """A chat template compiled in the environment transformers renders templates in."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 def _load_tokenizer_json(path: Path):
@@ -35,8 +80,8 @@ def _load_tokenizer_json(path: Path):
 
 
 class Tokenizer:
-    """Reads `path`/tokenizer.json and, if present, `path`/tokenizer_config.json; either one
-    corrupt is an MlacError naming the file."""
+    """Reads `path`/tokenizer.json and, if present, `path`/tokenizer_config.json and
+    `path`/chat_template.jinja; a corrupt file is an MlacError naming it."""
 
     def __init__(self, path: str | Path):
         root = Path(path)
@@ -48,7 +93,9 @@ class Tokenizer:
         self.bos_token_id = self._id_of(self.bos_token)
         self.eos_token_id = self._id_of(self.eos_token)
         self.add_bos = bool(cfg.get("add_bos_token", True)) and self.bos_token_id is not None
-        self.chat_template: str | None = cfg.get("chat_template")
+        named = {k: _token_text(v) for k, v in cfg.items() if k.endswith("_token")}
+        self.special_tokens = {k: v for k, v in named.items() if isinstance(v, str)}  # template variables
+        self.chat_template: str | None = read_chat_template(root, cfg)
         self._template = None
         self._token_texts: dict[int, str] = {}  # token_text's answers (at most the vocabulary)
 
@@ -77,31 +124,42 @@ class Tokenizer:
             text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the checkpoint's template (sandboxed jinja2, as transformers).
+    def use_chat_template(self, path: str | Path) -> None:
+        """Render chats with the template in file `path` (`--chat-template`) instead of the artifact's."""
+        file = Path(path)
+        if not file.is_file():
+            raise MlacError(f"--chat-template {file}: no such file")
+        self.chat_template, self._template = file.read_text(encoding="utf-8"), None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render chat messages with the template as transformers' apply_chat_template does:
+        sandboxed jinja2, the special tokens (bos_token, eos_token, ...), `tools`, and
+        `template_kwargs` (a request's chat_template_kwargs, e.g. thinking=True) as variables.
         A template that refuses the messages raises jinja2's TemplateError."""
         if self.chat_template is None:
             raise MlacError("this artifact's tokenizer has no chat_template")
         if self._template is None:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            self._template = compile_template(self.chat_template)
+        fixed = {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
+        return self._template.render({"bos_token": "", "eos_token": "", **self.special_tokens, **template_kwargs,
+                                      **fixed})  # fmt: skip
 
-            def raise_exception(message: str) -> None:
-                raise TemplateError(message)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
-
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Chat prompt ids. Templates write bos themselves, so none is prepended here."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Chat prompt ids. Templates write bos themselves, so none is prepended here (bos once)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        return self.encode(text, add_bos=False)
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlac.errors import MlacError
+from mlac.runtime.generation_config import sampling_defaults
 from mlac.runtime.scheduler import Sequence
 from mlac.runtime.serve.body import read_json
 from mlac.runtime.serve.config import ServerConfig
@@ -30,8 +31,11 @@ from mlac.runtime.serve.protocol import (
     Body,
     ChatBody,
     CompletionBody,
-    message_text,
-    new_sequence,
+    DetokenizeBody,
+    TokenizeBody,
+    chat_messages,
+    check_choices,
+    new_sequences,
     parse_body,
     prompt_list,
 )
@@ -63,6 +67,9 @@ def create_app(config: ServerConfig, load: Callable[[], Any]) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, api.http_error)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    keyed = [Depends(api.check_key)]
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"], dependencies=keyed)
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"], dependencies=keyed)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api.check_key)])
     v1.add_api_route("/models", api.models, methods=["GET"])
     v1.add_api_route("/completions", api.completions, methods=["POST"])
@@ -86,6 +93,7 @@ class Api:
 
     def __init__(self, state: ServerState):
         self.state, self.config, self.loop = state, state.config, state.loop
+        self.defaults = sampling_defaults(state.config.artifact, state.config.generation_config)
 
     # ---- errors and auth ----
 
@@ -144,19 +152,23 @@ class Api:
     async def completions(self, request: Request):
         body: CompletionBody = parse_body(CompletionBody, await self._read(request))
         engine = self._admit(body)
-        prompts = prompt_list(body.prompt, self.config.max_unfinished)
+        prompts = prompt_list(body.prompt, self.config.max_unfinished, body.n)
 
-        def make() -> list[Sequence]:
+        def make() -> list[Sequence]:  # choice p * n + j: prompt p's j-th
             ids = [engine.encode_prompt(p) for p in prompts]
+            max_tokens, lp = body.max_tokens or 16, body.logprobs
             return [
-                new_sequence(engine, i, body, body.max_tokens or 16, body.logprobs, "prompt") for i in ids
+                s
+                for i in ids
+                for s in new_sequences(engine, i, body, max_tokens, lp, "prompt", self.defaults)
             ]
 
         sub = Submission(self.loop, await _in_thread(make))
         self._count(request, 200)
         render = CompletionRender(
-            engine.tokenizer, self.config.model_name, len(prompts), body.logprobs is not None
+            engine.tokenizer, self.config.model_name, len(prompts) * body.n, body.logprobs is not None
         )
+        render.choices_per_prompt = body.n
         return await _respond(request, body, sub, render)
 
     async def chat(self, request: Request):
@@ -164,22 +176,61 @@ class Api:
         engine = self._admit(body)
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
-        messages = [
-            {**m.model_dump(exclude_none=True), "content": message_text(m.content)} for m in body.messages
-        ]
+        check_choices(1, body.n, self.config.max_unfinished, "messages")
+        messages = chat_messages(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
         def make() -> list[Sequence]:
-            ids = _encode_chat(engine, messages)
+            ids = _encode_chat(engine, messages, body)
             max_tokens = (
                 body.max_completion_tokens or body.max_tokens or max(1, engine.max_context - len(ids))
             )
-            return [new_sequence(engine, ids, body, max_tokens, logprobs, "messages")]
+            return new_sequences(engine, ids, body, max_tokens, logprobs, "messages", self.defaults)
 
         sub = Submission(self.loop, await _in_thread(make))
         self._count(request, 200)
-        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs)
+        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n)
+        render.choices_per_prompt = body.n
         return await _respond(request, body, sub, render)
+
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: {"model", "prompt" | "messages", "add_special_tokens"} -> {"count",
+        "max_model_len", "tokens", "token_strs"}. Messages go through the chat template (no bos
+        added by default: the template writes it); a prompt gets bos unless add_special_tokens=false."""
+        body: TokenizeBody = parse_body(TokenizeBody, await self._read(request))
+        engine = self._admit(body)
+        tok = engine.tokenizer
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer", param="prompt")
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give one of prompt and messages", param="prompt")
+
+        def make() -> list[int]:
+            if body.messages is None:
+                return tok.encode(body.prompt or "", add_bos=body.add_special_tokens is not False)
+            ids = _encode_chat(engine, chat_messages(body), body)
+            bos = body.add_special_tokens and tok.bos_token_id is not None
+            return [tok.bos_token_id, *ids] if bos else ids
+
+        ids = await asyncio.to_thread(make)
+        strs = [tok.token_text(i) for i in ids] if body.return_token_strs else None
+        self._count(request, 200)
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: {"model", "tokens"} -> {"prompt"} (special tokens kept, as vLLM)."""
+        body: DetokenizeBody = parse_body(DetokenizeBody, await self._read(request))
+        engine = self._admit(body)
+        if engine.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", param="tokens")
+        vocab = engine.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(
+                400, f"tokens: {bad} is not a token id (the vocabulary has {vocab})", param="tokens"
+            )
+        self._count(request, 200)
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     async def _read(self, request: Request) -> dict[str, Any]:
         return await read_json(request, self.config.max_body_bytes, self.config.request_body_timeout)
@@ -199,11 +250,14 @@ class Api:
         return self.loop.engine
 
 
-def _encode_chat(engine, messages: list[dict]) -> list[int]:
+def _encode_chat(engine, messages: list[dict], body: ChatBody | TokenizeBody) -> list[int]:
+    """The chat prompt's ids: the template over messages, tools and chat_template_kwargs; 400 when
+    the template refuses them."""
     from jinja2.exceptions import TemplateError
 
+    kwargs = body.chat_template_kwargs or {}
     try:
-        return engine.tokenizer.encode_chat(messages)
+        return engine.tokenizer.encode_chat(messages, body.add_generation_prompt, body.tools, **kwargs)
     except TemplateError as e:
         raise ApiError(400, f"chat template refused the messages: {e}", param="messages") from None
 

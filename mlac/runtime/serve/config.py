@@ -44,6 +44,8 @@ class ServerConfig:
     max_model_len: int | None = None  # caps the context (default: the model's max_position_embeddings)
     process_start: float | None = None  # time.monotonic() at process start: the start-up log's import phase
     require_prepared: bool = False  # on a GPU, refuse to start without a kernel cache of its signature
+    chat_template: Path | None = None  # a Jinja file used instead of the artifact's chat template
+    generation_config: str = "auto"  # default sampling: auto | vllm | none | a folder (generation_config.py)
 
     def __post_init__(self) -> None:
         lows = (("max_queue", 0), ("drain_timeout", 0), ("max_body_bytes", 1))

@@ -44,6 +44,8 @@ def load_engine(config: ServerConfig):
         gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len,
         kernel_cache="require" if config.require_prepared else "use",
     )  # fmt: skip
+    if config.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.use_chat_template(config.chat_template)
     warm = time.monotonic()
     if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
         try:

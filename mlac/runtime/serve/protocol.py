@@ -4,8 +4,11 @@ Types are strict: `"max_tokens": "10"` or `"stream": "yes"` is a 400, not coerce
 still accepted where a float is expected). Limits that the models cannot state:
 
     stop          at most MAX_STOP_STRINGS strings, MAX_STOP_CHARS characters in all
-    prompts       at most `max_unfinished` (--max-running-requests + --max-queue) in one request:
-                  more could never be admitted
+    prompts       at most `max_unfinished` (--max-running-requests + --max-queue) choices (prompts
+                  times n) in one request: more could never be admitted
+
+Fields that mlac does not implement (UNSUPPORTED: logit_bias, penalties, ...) are a 400 naming the
+field unless they hold their neutral value: never a silent 200.
     prompt + max_tokens   within the engine's context
 """
 
@@ -15,9 +18,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mlac.runtime.generation_config import SamplingDefaults
 from mlac.runtime.sampling import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
 from mlac.runtime.scheduler import Sequence
 
+MAX_N = 16  # choices of one request (n); each is one engine request
 MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM has no limit; 300,000 of them slowed every request 5-7x
 MAX_STOP_CHARS = 8192  # over all stop strings of a request
 
@@ -51,7 +56,7 @@ class Body(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
@@ -90,20 +95,82 @@ class ChatBody(Body):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"thinking": true}
+    add_generation_prompt: bool = True
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize request: a prompt, or messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    """vLLM's /detokenize request."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    tokens: list[int]
+
+
+def chat_messages(body: ChatBody | TokenizeBody) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them: every field given (tool_calls, tool_call_id,
+    name, ...), content as text, and a null content kept null (an assistant turn of tool calls)."""
+    return [
+        {**m.model_dump(exclude_none=True), "content": None if m.content is None else message_text(m.content)}
+        for m in body.messages
+    ]
 
 
 UNSUPPORTED = {
-    "n": "only n=1 is supported",
     "presence_penalty": "presence_penalty is not supported (only 0)",
     "frequency_penalty": "frequency_penalty is not supported (only 0)",
     "echo": "echo is not supported",
     "best_of": "only best_of=1 is supported",
     "suffix": "suffix is not supported",
 }
+# Fields no model above declares, each with its neutral values (null is always neutral): any other
+# value is a 400 naming the field.
+UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "repetition_penalty": (1, 1.0),
+    "length_penalty": (1, 1.0),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (),
+    "min_tokens": (0,),
+    "functions": ([],),
+    "function_call": ("none",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+}
 
 
-def parse_body(model: type[Body], data: Any) -> Any:
+def check_extras(data: Any) -> None:
+    """400 naming the first field of UNSUPPORTED_EXTRAS that `data` sets to a non-neutral value."""
+    if not isinstance(data, dict):
+        return
+    for name, neutral in UNSUPPORTED_EXTRAS.items():
+        value = data.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+            raise ApiError(400, f"{name} is not supported", param=name)
+
+
+def parse_body(model: type[BaseModel], data: Any) -> Any:
     """`data` (a parsed JSON object) as `model`; ApiError 400 naming the first bad field."""
+    check_extras(data)
     try:
         body = model.model_validate(data)
     except ValidationError as e:
@@ -115,7 +182,7 @@ def parse_body(model: type[Body], data: Any) -> Any:
     for name in ("echo", "suffix"):
         if getattr(body, name, None):
             raise ApiError(400, UNSUPPORTED[name], param=name)
-    check_stop(body.stop)
+    check_stop(getattr(body, "stop", None))
     return body
 
 
@@ -133,15 +200,21 @@ def check_stop(stop: str | list[str] | None) -> None:
         )
 
 
-def sampling_params(body: Body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: Body, max_tokens: int, logprobs: int | None, defaults: SamplingDefaults, choice: int = 0
+) -> SamplingParams:
+    """The SamplingParams of one choice: the body's fields, `defaults` (--generation-config) where
+    the body leaves one out. Choice j > 0 of a seeded request samples with seed + j (n different
+    choices, the same ones for the same seed)."""
+    pick = {f: getattr(defaults, f) if getattr(body, f) is None else getattr(body, f) for f in DEFAULTED}
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(0, body.top_k or 0),
-            min_p=body.min_p or 0.0,
-            seed=body.seed,
+            temperature=pick["temperature"],
+            top_p=pick["top_p"],
+            top_k=max(0, pick["top_k"]),
+            min_p=pick["min_p"],
+            seed=None if body.seed is None else body.seed + choice,
             stop=body.stop or (),
             stop_token_ids=body.stop_token_ids or (),
             ignore_eos=body.ignore_eos,
@@ -149,6 +222,9 @@ def sampling_params(body: Body, max_tokens: int, logprobs: int | None) -> Sampli
         )
     except InvalidSamplingParams as e:
         raise ApiError(400, str(e), param=e.param) from None
+
+
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p")  # fields --generation-config can default
 
 
 def message_text(content: str | list[dict[str, Any]] | None) -> str:
@@ -165,26 +241,41 @@ def message_text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def prompt_list(prompt: str | list, limit: int) -> list[str | list[int]]:
-    """The prompts of a completion request (one choice each), at most `limit` of them."""
+def prompt_list(prompt: str | list, limit: int, n: int = 1) -> list[str | list[int]]:
+    """The prompts of a completion request (n choices each), at most `limit` choices in all."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    if not prompt:
+        prompts = [prompt]
+    elif not prompt:
         raise ApiError(400, "prompt: must not be empty", param="prompt")
-    if len(prompt) > limit:
+    else:
+        prompts = list(prompt)
+    check_choices(len(prompts), n, limit, "prompt")
+    return prompts
+
+
+def check_choices(prompts: int, n: int, limit: int, what: str) -> None:
+    """400 when `prompts` x `n` choices could never be queued or running at once (`limit`)."""
+    if prompts * n > limit:
         raise ApiError(
             400,
-            f"prompt: {len(prompt)} prompts in one request; at most {limit} can be queued or running "
-            "at once (--max-running-requests + --max-queue)",
-            param="prompt",
+            f"{what}: {prompts} prompt(s) x n={n} choices in one request; at most {limit} can be queued "
+            "or running at once (--max-running-requests + --max-queue)",
+            param="n" if prompts == 1 else what,
         )
-    return list(prompt)
 
 
-def new_sequence(
-    engine, ids: list[int], body: Body, max_tokens: int, logprobs: int | None, what: str
-) -> Sequence:
-    """The engine request for prompt `ids`; 400 if prompt + max_tokens exceed the context."""
+def new_sequences(
+    engine,
+    ids: list[int],
+    body: Body,
+    max_tokens: int,
+    logprobs: int | None,
+    what: str,
+    defaults: SamplingDefaults,
+) -> list[Sequence]:
+    """The body.n engine requests (choices) for prompt `ids`; 400 if prompt + max_tokens exceed
+    the context. Each choice is its own engine request: one admitted after the first one's prefill
+    reuses its cached prompt (prefix cache); choices admitted in the same step each prefill it."""
     ctx = engine.max_context
     if len(ids) + max_tokens > ctx:
         raise ApiError(
@@ -194,4 +285,7 @@ def new_sequence(
             param=what,
             code="context_length_exceeded",
         )
-    return engine.new_sequence(ids, sampling_params(body, max_tokens, logprobs))
+    return [
+        engine.new_sequence(ids, sampling_params(body, max_tokens, logprobs, defaults, j))
+        for j in range(body.n)
+    ]

@@ -64,6 +64,7 @@ class Render:
     chunk_object = ""
     id_prefix = ""
     want_logprobs = False
+    choices_per_prompt = 1  # n: choices i*n .. i*n+n-1 share prompt i
 
     def __init__(self, tokenizer, model: str, n: int = 1):
         self.tok, self.model = tokenizer, model
@@ -85,13 +86,16 @@ class Render:
         self.cached_tokens[i] = d.cached_tokens
 
     def usage(self) -> dict:
-        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
-        details = {"cached_tokens": sum(self.cached_tokens)}
+        """Token counts; a prompt's tokens count once however many choices (n) it has, and so do its
+        cached tokens (the most any of its choices found in the prefix cache)."""
+        n = self.choices_per_prompt
+        p, c = sum(self.prompt_tokens[::n]), sum(self.completion_tokens)
+        cached = sum(max(self.cached_tokens[i : i + n]) for i in range(0, len(self.cached_tokens), n))
         return {
             "prompt_tokens": p,
             "completion_tokens": c,
             "total_tokens": p + c,
-            "prompt_tokens_details": details,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def chunk_event(self, i: int, d: Delta, include_usage: bool) -> str:
@@ -165,8 +169,8 @@ class ChatRender(Render):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, model: str, logprobs: bool):
-        super().__init__(tokenizer, model, 1)
+    def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1):
+        super().__init__(tokenizer, model, n)
         self.want_logprobs = logprobs
 
     def _entry(self, token_id: int, logprob: float) -> dict:
@@ -183,13 +187,21 @@ class ChatRender(Render):
         return {"content": content}
 
     def start(self) -> list[dict]:
-        first = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [self.envelope([first], self.chunk_object)]
+        """One chunk per choice that opens its assistant message."""
+        return [
+            self.envelope(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                self.chunk_object,
+            )
+            for i in range(len(self.text))
+        ]
 
     def chunk_choice(self, i: int, d: Delta) -> dict:
         self.add(i, d)
@@ -198,7 +210,9 @@ class ChatRender(Render):
                 "finish_reason": d.finish_reason}  # fmt: skip
 
     def body(self) -> dict:
-        message = {"role": "assistant", "content": self.text[0]}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(self.logprobs[0]),
-                  "finish_reason": self.finish[0]}  # fmt: skip
-        return {**self.envelope([choice]), "usage": self.usage()}
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": self.text[i]},
+             "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
+            for i in range(len(self.text))
+        ]  # fmt: skip
+        return {**self.envelope(choices), "usage": self.usage()}
