@@ -12,29 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from _cli import invoke, one_line_error
 
 from mlac.artifact import IDENTITY, MANIFEST, Manifest, check_identity
-from mlac.cli import main
 from mlac.errors import MlacError
 from mlac.runtime.engine import Engine
 from mlac.runtime.loader import load_artifact
 
 LAYER = "rank-00000-of-00001/layer-00001.safetensors"
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(r, *needles: str) -> str:
-    assert r.exit_code == 1, (r.exit_code, r.output)
-    assert "Traceback" not in r.output
-    last = r.output.strip().splitlines()[-1]
-    assert last.startswith("error: "), r.output
-    for n in needles:
-        assert n in last, (n, last)
-    return last
 
 
 @pytest.fixture

@@ -9,13 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from mlac.cli import main
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
+from _cli import invoke
 
 
 def tree(root: Path) -> dict[str, bytes]:

@@ -7,10 +7,9 @@ import shutil
 import struct
 
 import pytest
-from click.testing import CliRunner
+from _cli import invoke
 
 from mlac.artifact import CompileOptions, Manifest
-from mlac.cli import main
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
 from mlac.passes import buckets
@@ -18,10 +17,6 @@ from mlac.synth.presets import PRESETS
 
 TINY_V2_LITE = ModelConfig.from_hf(PRESETS["tiny-v2-lite"])
 LADDER_256 = [1, 2, 4, 8, *range(16, 257, 16)]
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 @pytest.mark.parametrize(

@@ -8,16 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from _cli import invoke
 
 from mlac.artifact import Manifest, manifest_json_schema
-from mlac.cli import main
 
 SCHEMA = Path(__file__).parent.parent / "artifacts" / "manifest.schema.json"
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -42,7 +37,10 @@ def test_compiling_twice_gives_identical_bytes(checkpoint, tmp_path, fp8):
 def test_manifest_records_files_tensors_and_source(artifact, checkpoint):
     root = artifact("tiny-v3", fp8=True)
     m = Manifest.load(root)
-    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {"manifest.json", "manifest.sha256"}
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {
+        "manifest.json",
+        "manifest.sha256",
+    }
     assert {f.path for f in m.files} == on_disk
     assert {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= on_disk
     assert m.quantization.scheme == "fp8-block" and m.quantization.kept_source_blocks

@@ -5,15 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from click.testing import CliRunner
-
-from mlac.cli import main
+from _cli import invoke
 
 HELP = "trusted storage: check sizes only, skip sha256"
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def test_generate_no_verify_skips_the_hash_but_not_the_size(artifact, tmp_path):

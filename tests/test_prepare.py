@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from _cli import invoke, one_line_error
 
 import mlac.prepare as prep
 import mlac.runtime.kernel_cache as kc
 from mlac.artifact import IDENTITY, MANIFEST, Manifest, TargetSignature, check_identity, target_key
-from mlac.cli import main
 from mlac.errors import MlacError
 from mlac.runtime.engine import Engine
 from mlac.runtime.serve import ServerConfig, load_engine
@@ -31,20 +30,6 @@ SIG = TargetSignature(gpu_name="NVIDIA H200", compute_capability="9.0", cuda="13
                       torch="2.11.0", triton="3.6.0")  # fmt: skip
 KEY = "sm90-nvidia-h200-triton3.6.0-torch2.11.0-cu13.0"
 KERNEL = "ABCDEF234567"  # a Triton cache entry (its folder is named by the kernel's hash)
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(r, *needles: str) -> str:
-    assert r.exit_code == 1, (r.exit_code, r.output)
-    assert "Traceback" not in r.output
-    last = r.output.strip().splitlines()[-1]
-    assert last.startswith("error: "), r.output
-    for n in needles:
-        assert n in last, (n, last)
-    return last
 
 
 @pytest.fixture
