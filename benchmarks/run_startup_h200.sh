@@ -21,7 +21,7 @@ rm -rf ~/.triton; unset TRITON_CACHE_DIR
 timeout -k 10 ${SERVE_S:-150} python3 benchmarks/serve_gpu.py $W/bf16 --device cuda --json "$OUT/serve_prepared.json" \
   --log $W/serve.log --batches 1,32,256 --prompt-len 64 --max-tokens 64 --peak-requests ${PEAK:-512} \
   --peak-prompt-len 128 --peak-max-tokens 128 --max-running-requests 256 --max-queue 1024 \
-  --serve-args "--require-prepared" --budget-s $(( ${SERVE_S:-150} - 10 ))
+  --serve-args=--require-prepared --budget-s $(( ${SERVE_S:-150} - 10 ))
 stamp "serve rc=$?"; grep -i "ready in\|kernel cache\|error" $W/serve.log | head -5
 ls ~/.triton/cache 2>/dev/null | wc -l | sed 's/^/files in ~\/.triton\/cache after serving: /'
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_prepare.py -m gpu 2>&1 | tail -4; stamp "zero-JIT test"
