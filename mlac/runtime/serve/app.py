@@ -39,6 +39,7 @@ from mlac.runtime.serve.protocol import (
     parse_body,
     prompt_list,
 )
+from mlac.runtime.serve.reasoning import prompt_opens_think
 from mlac.runtime.serve.render import ChatRender, CompletionRender, Render, sse
 
 
@@ -187,9 +188,12 @@ class Api:
             )
             return new_sequences(engine, ids, body, max_tokens, logprobs, "messages", self.defaults)
 
-        sub = Submission(self.loop, await _in_thread(make))
+        seqs = await _in_thread(make)
+        sub = Submission(self.loop, seqs)
         self._count(request, 200)
-        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n)
+        tail = engine.tokenizer.decode(seqs[0].prompt_ids[-8:], skip_special_tokens=False)  # template's end
+        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n,
+                            self.config.reasoning_parser, prompt_opens_think(tail))  # fmt: skip
         render.choices_per_prompt = body.n
         return await _respond(request, body, sub, render)
 

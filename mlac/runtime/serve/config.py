@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mlac.errors import MlacError
 from mlac.runtime.scheduler import SchedulerConfig
+from mlac.runtime.serve.reasoning import check_reasoning_parser
 
 if TYPE_CHECKING:
     from mlac.runtime.runner import LaunchSpec
@@ -46,6 +47,7 @@ class ServerConfig:
     require_prepared: bool = False  # on a GPU, refuse to start without a kernel cache of its signature
     chat_template: Path | None = None  # a Jinja file used instead of the artifact's chat template
     generation_config: str = "auto"  # default sampling: auto | vllm | none | a folder (generation_config.py)
+    reasoning_parser: str | None = None  # "deepseek_r1": chat splits reasoning_content out (reasoning.py)
 
     def __post_init__(self) -> None:
         lows = (("max_queue", 0), ("drain_timeout", 0), ("max_body_bytes", 1))
@@ -60,6 +62,7 @@ class ServerConfig:
             raise MlacError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise MlacError(f"--max-model-len {self.max_model_len}: must be at least 1")
+        check_reasoning_parser(self.reasoning_parser)
 
     @property
     def model_name(self) -> str:

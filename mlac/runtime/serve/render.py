@@ -19,6 +19,7 @@ from mlac.runtime.sampling import TokenLogprob
 from mlac.runtime.scheduler import Delta
 from mlac.runtime.serve.loop import Submission
 from mlac.runtime.serve.protocol import ApiError
+from mlac.runtime.serve.reasoning import DeepSeekR1Parser, split
 
 DONE = "data: [DONE]\n\n"
 ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(x, ensure_ascii=False), built once
@@ -169,9 +170,14 @@ class ChatRender(Render):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1):
+    def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1, reasoning_parser: str | None = None,
+                 think_opened: bool = False):  # fmt: skip
+        """`reasoning_parser` ("deepseek_r1" or None): split each choice's text into reasoning_content
+        and content (reasoning.py); `think_opened`: the chat template ended the prompt in `<think>`."""
         super().__init__(tokenizer, model, n)
         self.want_logprobs = logprobs
+        self.think_opened = think_opened
+        self.parsers = [DeepSeekR1Parser(think_opened) for _ in range(n)] if reasoning_parser else None
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         t = self.token_text(token_id)
@@ -205,13 +211,30 @@ class ChatRender(Render):
 
     def chunk_choice(self, i: int, d: Delta) -> dict:
         self.add(i, d)
-        delta = {"content": d.text} if d.text else {}
+        delta = self._delta(i, d) if self.parsers else ({"content": d.text} if d.text else {})
         return {"index": i, "delta": delta, "logprobs": self._logprobs(d.logprobs),
                 "finish_reason": d.finish_reason}  # fmt: skip
 
+    def _delta(self, i: int, d: Delta) -> dict:
+        """Choice i's stream delta split by its reasoning parser (flushed at the finish)."""
+        reasoning, content = self.parsers[i].feed(d.text)
+        if d.finish_reason is not None:
+            r, c = self.parsers[i].finish()
+            reasoning, content = reasoning + r, content + c
+        delta = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+        return {**delta, "content": content} if content else delta
+
+    def _message(self, i: int) -> dict:
+        """Choice i's whole message; with a reasoning parser, an empty part is null (as vLLM)."""
+        if self.parsers is None:
+            return {"role": "assistant", "content": self.text[i]}
+        reasoning, content = split(self.text[i], self.think_opened)
+        return {"role": "assistant", "content": content or None, "reasoning_content": reasoning or None,
+                "reasoning": reasoning or None}  # fmt: skip
+
     def body(self) -> dict:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": self.text[i]},
+            {"index": i, "message": self._message(i),
              "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
             for i in range(len(self.text))
         ]  # fmt: skip
