@@ -37,7 +37,7 @@ from torch import nn
 
 from mlac.errors import MlacError
 from mlac.synth import train_data
-from mlac.synth.tokenizer import BOS, CHAT_TEMPLATE, EOS
+from mlac.synth.tokenizer import BOS, CHAT_TEMPLATE, EOS, train_bpe
 from mlac.synth.train_export import write_checkpoint
 
 MTP_LAMBDA = 0.3  # V3 paper: 0.3 for the first 10T tokens, 0.1 for the rest
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     train_files, held_files = train_data.split(train_data.stdlib_files())
     train_texts = train_data.read_texts(train_files, r.train_bytes)
-    tok = train_data.train_bpe(train_texts, r.model["vocab_size"])
+    tok = train_bpe(train_texts, r.model["vocab_size"])
     stream = train_data.encode(tok, train_texts)
     held = train_data.encode(tok, train_data.read_texts(held_files, r.held_bytes))
     held_windows = train_data.eval_windows(held, r.seq + 1, r.eval_windows)  # [n, T + 2]

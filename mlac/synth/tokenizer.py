@@ -105,8 +105,9 @@ on the left are all smaller than the ones on the right.
 """
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE of at most `vocab_size` ids (specials first), trained on CORPUS."""
+def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of at most `vocab_size` ids (DeepSeek's specials first, then the 256 bytes)
+    trained on `texts`, adding bos to every encoding."""
     if vocab_size < MIN_VOCAB:
         raise MlacError(
             f"vocab_size={vocab_size} is too small for a byte-level tokenizer (needs >= {MIN_VOCAB})"
@@ -115,16 +116,21 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=min(vocab_size, MAX_VOCAB),
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
     )
     return tok
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """The synthetic checkpoints' tokenizer: train_bpe on CORPUS, at most MAX_VOCAB ids."""
+    return train_bpe(CORPUS.splitlines(keepends=True), min(vocab_size, MAX_VOCAB))
 
 
 def write_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int) -> dict[str, int]:

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from mlac.errors import MlacError
-from mlac.synth.tokenizer import BOS, EOS, MIN_VOCAB, SPECIAL_TOKENS
+from mlac.synth.tokenizer import EOS
 
 HOLD_OUT_EVERY = 20  # file k is held out when k % 20 == 19
 _SKIP_PARTS = {"site-packages", "test", "tests"}
@@ -54,28 +54,6 @@ def read_texts(files: list[Path], max_bytes: int | None) -> list[str]:
         texts.append(text)
         total += len(text)
     return texts
-
-
-def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE of `vocab_size` ids (DeepSeek's specials at 0..3, then the 256 bytes)."""
-    if vocab_size < MIN_VOCAB:
-        raise MlacError(
-            f"vocab_size={vocab_size} is too small for a byte-level tokenizer (needs >= {MIN_VOCAB})"
-        )
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
-    )
-    return tok
 
 
 def encode(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
