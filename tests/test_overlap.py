@@ -9,6 +9,9 @@ is landed) is checked to have been reached, so the comparisons cover it.
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -252,3 +255,38 @@ def test_cuda_graphs_give_the_same_greedy_tokens_with_overlap(artifact):
         plain = run(engine, reqs, False)
         over = run(engine, reqs, True)
         assert [o[:2] for o in over] == [p[:2] for p in plain], f"batch {batch}"
+
+
+def test_a_server_with_overlap_answers_as_the_engine_does(artifact, engine, steady):
+    """The engine loop (serve/loop.py) over an overlapping scheduler: concurrent requests, one with
+    a stop string, one streamed; their texts and token counts are the engine's without overlap."""
+    import httpx
+
+    from mlac.runtime.serve import ServerConfig, ServerThread
+
+    ps = prompts(4)
+    stop = engine.generate(ps[2], max_tokens=20, ignore_eos=True).text[6:9]
+    bodies = [dict(prompt=p, max_tokens=8 + 3 * i, ignore_eos=True, temperature=0) for i, p in enumerate(ps)]
+    bodies[2]["stop"] = [stop]
+    want = [
+        engine.generate(b["prompt"], max_tokens=b["max_tokens"], ignore_eos=True, stop=b.get("stop"))
+        for b in bodies
+    ]
+    cfg = ServerConfig(artifact=artifact("tiny-v3"), dtype="float32", verify=False, served_model_name="tiny",
+                       num_blocks=160, scheduler=SchedulerConfig(overlap=True), warmup=False)  # fmt: skip
+    with ServerThread(cfg) as srv:
+
+        def post(body: dict) -> dict:
+            body = {"model": "tiny", **body}
+            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            got = list(pool.map(post, bodies))
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={"model": "tiny", "stream": True, **bodies[3]},
+                          timeout=60) as r:  # fmt: skip
+            lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    for g, w in zip(got, want, strict=True):
+        assert g["choices"][0]["text"] == w.text and g["usage"]["completion_tokens"] == w.completion_tokens
+        assert g["choices"][0]["finish_reason"] == w.finish_reason
+    assert "".join(x["choices"][0]["text"] for x in lines if x["choices"]) == want[3].text
+    assert any(steady)
