@@ -96,13 +96,7 @@ class Overlap:
             return None
         seqs = [flight.seqs[j] for j in rows]
         step = Step.of([[0]] * len(seqs), [s.num_computed for s in seqs], [s.block_table for s in seqs])
-        same = rows == list(range(len(rows)))
-        ids = (
-            flight.ids[: len(rows)]
-            if same
-            else flight.ids.index_select(0, to_device(rows, torch.int64, flight.ids.device))
-        )
-        self.flight = self._launch(seqs, step, ids)
+        self.flight = self._launch(seqs, step, take_rows(flight.ids, rows))
         return self.land(sched, flight)
 
     def drain(self, sched: Scheduler) -> list[Sequence]:
@@ -152,13 +146,9 @@ class Overlap:
         its row); release the sequences that finish. Returns the sequences with news."""
         if flight.done is not None:
             flight.done.synchronize()
-        tokens = flight.host[0].tolist()
+        tokens, *lp_host = (x.tolist() for x in flight.host)
         num_top = [s.params.logprobs for s in flight.seqs]
-        lps = (
-            read_logprobs(flight.host[1].tolist(), flight.host[2].tolist(), num_top)
-            if len(flight.host) > 1
-            else [None] * len(tokens)
-        )
+        lps = read_logprobs(*lp_host, num_top) if lp_host else [None] * len(tokens)
         news = []
         for s, t, lp in zip(flight.seqs, tokens, lps, strict=True):
             if s.finished:
@@ -168,6 +158,13 @@ class Overlap:
                 sched._release(s)
             news.append(s)
         return news
+
+
+def take_rows(ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """ids [B] -> ids[rows] [R], on the device without waiting for it (a slice when a prefix)."""
+    if rows == list(range(len(rows))):
+        return ids[: len(rows)]
+    return ids.index_select(0, to_device(rows, torch.int64, ids.device))
 
 
 def ends_next(seq: Sequence, max_context: int) -> bool:
