@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from mlac.runtime import overlap as overlap_mod
 from mlac.runtime.engine import Engine
 from mlac.runtime.sampling import SamplingParams
-from mlac.runtime.scheduler import SchedulerConfig
+from mlac.runtime.scheduler import SchedulerConfig, Sequence
 
 PROMPT = "The morning train left the station"
 
@@ -210,6 +210,36 @@ def test_a_finished_request_left_in_flight_is_drained_by_abort_all(engine):
     have = len(seq.output_ids)
     news = sched.abort_all()
     assert news == [seq] and len(seq.output_ids) == have + 1 and seq.finish_reason == "abort"
+    assert sched.check_blocks()["in_use"] == 0
+
+
+def test_a_failed_landing_leaves_no_wrong_token_and_no_block(engine, monkeypatch, steady):
+    """The host work of a step fails after the next step was launched: abort_all then aborts every
+    request with the tokens it really had (the next step's rows, which assumed the lost tokens, are
+    never landed) and frees every block."""
+    reqs = [(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts(3)]
+    want = run(engine, reqs, False)
+    sched = engine.scheduler(SchedulerConfig(overlap=True))
+    seqs = [engine.new_sequence(p, sp) for p, sp in reqs]
+    for s in seqs:
+        sched.add(s)
+    calls, append = [], Sequence.append_token
+
+    def flaky(self, *args):
+        calls.append(self)
+        if len(calls) == 11:  # the second row of the third landing (3 came from the prefill)
+            raise RuntimeError("detokenizer failed")
+        return append(self, *args)
+
+    monkeypatch.setattr(Sequence, "append_token", flaky)
+    with pytest.raises(RuntimeError, match="detokenizer"):
+        while sched.has_unfinished:
+            sched.step()
+    assert steady[-1] and not sched.in_flight
+    assert set(sched.abort_all()) == set(seqs)
+    for s, (ids, *_) in zip(seqs, want, strict=True):
+        assert s.finish_reason == "abort" and s.output_ids == ids[: len(s.output_ids)]
+    assert [len(s.output_ids) for s in seqs] == [4, 3, 3]
     assert sched.check_blocks()["in_use"] == 0
 
 

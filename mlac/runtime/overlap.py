@@ -97,7 +97,11 @@ class Overlap:
         seqs = [flight.seqs[j] for j in rows]
         step = Step.of([[0]] * len(seqs), [s.num_computed for s in seqs], [s.block_table for s in seqs])
         self.flight = self._launch(seqs, step, take_rows(flight.ids, rows))
-        return self.land(sched, flight)
+        try:
+            return self.land(sched, flight)
+        except BaseException:
+            self.flight = None  # its rows assumed tokens that were never appended: never land it
+            raise
 
     def drain(self, sched: Scheduler) -> list[Sequence]:
         """Land the flight, if any; its news."""
