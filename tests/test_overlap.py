@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from mlac.errors import MlacError
 from mlac.runtime import overlap as overlap_mod
 from mlac.runtime.engine import Engine
 from mlac.runtime.sampling import SamplingParams
@@ -198,6 +199,8 @@ def test_off_by_default_on_cpu_under_speculation_and_multi_rank(engine, artifact
         def run(self, step): ...
 
     assert not overlap_mod.runs_here(Rank0())
+    with pytest.raises(MlacError, match="overlap=1: must be True, False or None"):
+        SchedulerConfig(overlap=1)
 
 
 def test_a_finished_request_left_in_flight_is_drained_by_abort_all(engine):

@@ -82,7 +82,7 @@ class SchedulerConfig:
         k = self.speculative_num_steps
         if not isinstance(k, int) or k < 0:
             raise MlacError(f"speculative_num_steps={k!r}: must be an integer >= 0 (0: off)")
-        if self.overlap not in (None, True, False):
+        if not (self.overlap is None or isinstance(self.overlap, bool)):
             raise MlacError(f"overlap={self.overlap!r}: must be True, False or None (on CUDA)")
 
 
@@ -281,7 +281,8 @@ class Scheduler:
         return unique(news + self._apply_aborts())
 
     def _drain_quietly(self) -> list[Sequence]:
-        """Land the step in flight, if any; a failure to (the device's) leaves its tokens unread."""
+        """Land the step in flight, if any. If that fails (the device's error, say), its tokens stay
+        unread: every sequence is being aborted anyway."""
         if self.overlap is None or self.overlap.flight is None:
             return []
         try:
