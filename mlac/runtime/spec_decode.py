@@ -180,11 +180,13 @@ class SpecDecoder:
         ks = [n - 1 for _, n in plan]
         base = Step.of([[s.output_ids[-1]] for s, _ in plan], [s.num_computed for s, _ in plan],
                        [s.block_table for s, _ in plan])  # fmt: skip
-        found, top, logits = self.exec.chain([s.seq_id for s, _ in plan], ks, base)
+        want_logits = any(s.params.logprobs is not None for s, _ in plan)
+        found, top, logits, refreshed = self.exec.chain([s.seq_id for s, _ in plan], ks, base, self.num_steps,
+                                                        want_logits)  # fmt: skip
         drafts = {s.seq_id: (d, [None] * len(d)) for (s, _), d in zip(plan, found, strict=True)}
         starts = [0, *itertools.accumulate(k + 1 for k in ks)]
         where = list(itertools.pairwise(starts))
-        return self._finish(sched, plan, drafts, starts, where, logits, top, True)
+        return self._finish(sched, plan, drafts, starts, where, logits, top, True, refreshed)
 
     def _finish(
         self,
@@ -196,15 +198,18 @@ class SpecDecoder:
         logits: torch.Tensor | None,
         top: list[int],
         decode_only: bool,
+        refreshed: bool = False,
     ) -> list:
         """Accept, append, release, then refresh (steps 3-4 of the module doc) for `plan`, whose
-        sequence j ran the verify's rows from starts[j] and has logits [R, V] (argmax `top`) at
-        rows where[j] = [a, b); returns the sequences with news."""
+        sequence j ran the verify's rows from starts[j] and has logits [R, V] (argmax `top`; None:
+        greedy without logprobs) at rows where[j] = [a, b); returns the sequences with news.
+        `refreshed`: the device already refreshed every sequence (spec_chain.py)."""
         kept, news = [], []
         for j, (s, n) in enumerate(plan):
             start, (a, b) = s.num_computed, where[j]
             if s.seq_id in drafts:
-                emitted = self._verify(sched, s, logits[a:b], top[a:b], *drafts[s.seq_id])
+                mine = logits[a:b] if logits is not None else None
+                emitted = self._verify(sched, s, mine, top[a:b], *drafts[s.seq_id])
             else:
                 s.num_computed += n
                 emitted = b - a
@@ -216,7 +221,7 @@ class SpecDecoder:
                 sched._release(s)
             else:
                 kept.append((s, start, starts[j], s.num_computed - start))
-        self._refresh(kept, sched, decode_only)
+        self._refresh(kept, sched, decode_only, refreshed)
         return news
 
     def _logit_rows(self, plan: list, drafts: dict, starts: list[int]) -> tuple[list[int], list]:
@@ -262,6 +267,7 @@ class SpecDecoder:
         out = {i: self.drafts[i].token for i in seq_ids}
         on_device = [i for i, t in out.items() if t is None]
         if on_device:
+            self.exec.evacuate()
             tokens = to_host(torch.stack([self.exec.tokens[i] for i in on_device]))
             out.update(zip(on_device, tokens, strict=True))
         return out
@@ -298,9 +304,11 @@ class SpecDecoder:
             p = filtered_probs(logits, [seq.params] * len(top))
             q = torch.stack(probs) if drafts else p[:0]
             emitted = accept_sampled(p, q, drafts, seq.generator)
-        lps = token_logprobs(
-            logits[: len(emitted)], torch.tensor(emitted), [seq.params.logprobs] * len(emitted)
-        )
+        lps = [None] * len(emitted)
+        if seq.params.logprobs is not None:
+            lps = token_logprobs(
+                logits[: len(emitted)], torch.tensor(emitted), [seq.params.logprobs] * len(emitted)
+            )
         appended = 0
         for t, lp in zip(emitted, lps, strict=True):
             seq.append_token(t, lp, sched.eos_ids, sched.max_context)
@@ -326,13 +334,16 @@ class SpecDecoder:
             self.allocator.free(seq.block_table[keep:])
             del seq.block_table[keep:]
 
-    def _refresh(self, kept: list, sched, decode_only: bool) -> None:
+    def _refresh(self, kept: list, sched, decode_only: bool, refreshed: bool = False) -> None:
         """The MTP layer over the target's kept positions [(seq, first position, first hidden
         row, count)]; a sequence now decoding gets its next Draft from its last row. Drafts of
-        sequences that left or no longer decode are dropped."""
+        sequences that left or no longer decode are dropped. `refreshed` (every kept sequence is
+        greedy, its next state already on the device): only the bookkeeping."""
         kept = [k for k in kept if k[3]]
         ready: list = []
-        if kept:
+        if refreshed:
+            ready = [(s, -1) for s, *_ in kept if s.decoding]
+        elif kept:
             step = verify_step(
                 [s.tokens(c + 1, c + 1 + m) for s, c, _, m in kept], [c for _, c, _, _ in kept],
                 [s.block_table for s, _, _, _ in kept], decode_only,
@@ -352,6 +363,7 @@ class SpecDecoder:
         live = {s.seq_id for s in sched.running if s.decoding}
         self.drafts = {i: d for i, d in self.drafts.items() if i in live}
         ids = sorted(self.drafts)
-        rows = {s.seq_id: (r, s.num_tokens) for s, r in ready}  # its row of g, the index d_0 predicts
+        # its row of g, the index d_0 predicts
+        rows = {s.seq_id: (r, s.num_tokens) for s, r in ready if r >= 0}
         rows_at = [rows.get(i, (-1, -1)) for i in ids]
         self.exec.keep(ids, [r for r, _ in rows_at], [a for _, a in rows_at])

@@ -9,7 +9,8 @@ spec_decode.py decides on the host (rank 0) what runs; each decision is one op h
                                  at its positions                                   [N, D]
     keep(seq_ids, rows, at)      store[seq_ids[i]] = g[rows[i]] and tokens[seq_ids[i]] = its greedy
                                  draft (-1: as it is); others dropped
-    chain(seq_ids, ks, base)     greedy drafts chained on the device, then their verify; ONE
+    chain(seq_ids, ks, base, k, want_logits)
+                                 greedy drafts chained on the device, then their verify; ONE
                                  transfer to the host at its end (drafts and target argmax)
 
 `src` names a state: "hidden" (the last target's), "g" (the last draft's) or "store" (rows are
@@ -17,6 +18,11 @@ seq_ids: each decoding sequence's last MTP output, the chain's first input). On 
 multi-rank artifact, `send` broadcasts each op (code and integers, dist.send_spec) before it runs,
 and the other ranks `apply` it: every rank runs the same forwards, so the collectives inside them
 (all-reduce, the head's all-gather) line up. Only rank 0 uses the logits.
+
+With a runner's CUDA graphs (or their buffers, on CPU), `chain` runs its step as ONE ChainGraphs
+replay (spec_chain.py: the drafts, the verify, the acceptance and the refresh together) when every
+sequence drafts K and none wants logprobs; each such sequence's state then stays in the graph's
+rows (`resident`) until another op needs it in `store` (`evacuate`). Otherwise:
 
 `chain` is one speculative step of greedy sequences without a host round trip between its
 replays: every draft step's metadata (positions, slots, tables) follows from the sequences'
@@ -33,6 +39,7 @@ from contextlib import contextmanager
 
 import torch
 
+from mlac.runtime.spec_chain import ChainGraphs
 from mlac.runtime.step import Step
 
 TARGET, LOGITS, DRAFT, KEEP, CHAIN = 1, 2, 3, 4, 5  # op codes
@@ -96,6 +103,9 @@ class SpecExecutor:
         self.ready: dict[str, torch.Tensor | None] = {"hidden": None, "g": None}  # logits from graphs
         self.store: dict[int, torch.Tensor] = {}  # seq_id -> [D]
         self.tokens: dict[int, torch.Tensor] = {}  # seq_id -> [] int64: the greedy d_0 of its store entry
+        self.chains: dict[int, ChainGraphs | None] = {}  # K -> the one-replay chain (made at first use)
+        self.resident: tuple[int, ...] = ()  # seq_ids whose state is in rows 0.. of `resident_in`
+        self.resident_in: ChainGraphs | None = None
 
     @contextmanager
     def _op(self, code: int, ints: list[int]) -> Iterator[None]:
@@ -113,8 +123,18 @@ class SpecExecutor:
                 raise error from e
             raise
 
+    def evacuate(self) -> None:
+        """Move the states that live in a ChainGraphs' rows into `store` / `tokens` (before anything
+        else reads those or loads other rows there)."""
+        if self.resident:
+            g, t = self.resident_in.state(len(self.resident))
+            for r, i in enumerate(self.resident):
+                self.store[i], self.tokens[i] = g[r], t[r]
+            self.resident = ()
+
     def _rows(self, src: str, rows: list[int]) -> torch.Tensor:
         if src == "store":
+            self.evacuate()
             return torch.stack([self.store[i] for i in rows])
         x = self.hidden if src == "hidden" else self.g
         return x[to_device(rows, x.device)]  # a copy: graphs overwrite their outputs
@@ -187,7 +207,11 @@ class SpecExecutor:
         at index at[i]} (rows[i] == -1: their current entries); others dropped."""
         with self._op(KEEP, [len(seq_ids), *seq_ids, *rows, *at]):
             new = [(i, r, a) for i, r, a in zip(seq_ids, rows, at, strict=True) if r >= 0]
-            store = {i: self.store[i] for i, r in zip(seq_ids, rows, strict=True) if r < 0}
+            if new:
+                self.evacuate()
+            store = {
+                i: self.store[i] for i, r in zip(seq_ids, rows, strict=True) if r < 0 and i in self.store
+            }
             tokens = {i: self.tokens[i] for i in store if i in self.tokens}
             if new:
                 index = to_device([r for _, r, _ in new], self.g.device)
@@ -198,14 +222,22 @@ class SpecExecutor:
 
     @torch.inference_mode()
     def chain(
-        self, seq_ids: list[int], ks: list[int], base: Step
-    ) -> tuple[list[list[int]], list[int], torch.Tensor]:
+        self, seq_ids: list[int], ks: list[int], base: Step, k: int = 0, want_logits: bool = True
+    ) -> tuple[list[list[int]], list[int], torch.Tensor | None, bool]:
         """One greedy speculative step of the decode-shaped `base` (sequence i: its last token t_{n-1}
         after ctx_lens[i] = n - 1 cached ones): k_i - 1 draft steps chained on the device from its
         stored (g, d_0), then the verify of [t_{n-1}, d_0..d_{k_i - 1}] (k_i + 1 rows). One host
         sync. Returns (each sequence's drafts, the target's argmax of every verified row, its
-        logits float32 [T, V]); "hidden" holds the verify's hidden states for the refresh."""
-        with self._op(CHAIN, [len(seq_ids), *seq_ids, *ks, *step_ints(base)]):
+        logits float32 [T, V] or None, refreshed). When every k_i is the speculation's `k` and no
+        logits are wanted it runs as one ChainGraphs replay, refresh included (refreshed: the
+        sequences' next states are set, their keep is -1); else "hidden" holds the verify's
+        hidden states for the refresh."""
+        ints = [len(seq_ids), k, int(want_logits), *seq_ids, *ks, *step_ints(base)]
+        with self._op(CHAIN, ints):
+            graphs = None if want_logits or set(ks) != {k} else self._chain_graphs(k, len(ks))
+            if graphs is not None:
+                return *self._run_chain(graphs, seq_ids, base), None, True
+            self.evacuate()
             dev, ctx, tables = self.model.device, base.ctx_lens, base.block_tables
             flat, at = self._chain(seq_ids, ks, base)  # [B + drafts] int64: lasts, then d_j by j
             index = [r for i, rows in enumerate(at) for r in (i, *rows)]  # [T] rows of flat
@@ -213,7 +245,46 @@ class SpecExecutor:
             logits = self._logits("hidden", torch.arange(len(index), device=dev))  # [T, V]
             host = to_host(torch.cat([flat, logits.argmax(dim=-1)]))  # the step's one sync
         drafts = [[host[r] for r in rows] for rows in at]
-        return drafts, host[len(flat) :], logits
+        return drafts, host[len(flat) :], logits, False
+
+    def _chain_graphs(self, k: int, num_seqs: int) -> ChainGraphs | None:
+        """The ChainGraphs of K = k (made, and on a GPU captured, at first use: every rank at once,
+        inside this op), when the runner has decode graphs and one bucket fits num_seqs."""
+        if k not in self.chains:
+            self.chains[k] = self._make_chain(k)
+        graphs = self.chains[k]
+        return graphs if graphs is not None and graphs.can_run(num_seqs) else None
+
+    def _make_chain(self, k: int) -> ChainGraphs | None:
+        decode = self.runner.graphs
+        if decode is None or getattr(decode, "hidden", None) is None or k + 1 > self.cache.block_size:
+            return None
+        buckets = [b for b in decode.buckets if b * (k + 1) <= decode.max_bs]  # the verify's rows fit
+        if not buckets:
+            return None
+        self.evacuate()
+        graphs = ChainGraphs(
+            self.model, self.cache, buckets, decode.inputs.max_blocks * self.cache.block_size, k
+        )
+        if decode.graphs:  # captured (CUDA): these too, into the same pool
+            graphs.capture(decode.pool)
+        return graphs
+
+    def _run_chain(
+        self, graphs: ChainGraphs, seq_ids: list[int], base: Step
+    ) -> tuple[list[list[int]], list[int]]:
+        """`chain` as one ChainGraphs replay: (drafts, the target's argmax of every verified row)."""
+        if tuple(seq_ids) != self.resident or graphs is not self.resident_in:
+            self.evacuate()
+            graphs.load(
+                torch.stack([self.store[i] for i in seq_ids]), torch.stack([self.tokens[i] for i in seq_ids])
+            )
+            for i in seq_ids:
+                del self.store[i], self.tokens[i]
+            self.resident, self.resident_in = tuple(seq_ids), graphs
+        out = to_host(graphs.run(list(base.token_ids), list(base.ctx_lens), list(base.block_tables)))
+        k = graphs.k
+        return [row[:k] for row in out], [t for row in out for t in row[k:]]
 
     def _chain(self, seq_ids: list[int], ks: list[int], base: Step) -> tuple[torch.Tensor, list[list[int]]]:
         """(flat [B + sum k] int64 on the device: base's token ids, then the drafts d_0 of every
@@ -256,7 +327,8 @@ class SpecExecutor:
             n = ints[0]
             self.keep(ints[1 : 1 + n], ints[1 + n : 1 + 2 * n], ints[1 + 2 * n :])
         elif code == CHAIN:
-            n = ints[0]
-            self.chain(ints[1 : 1 + n], ints[1 + n : 1 + 2 * n], step_of_ints(ints[1 + 2 * n :])[0])
+            n, k, want = ints[:3]
+            rest = ints[3:]
+            self.chain(rest[:n], rest[n : 2 * n], step_of_ints(rest[2 * n :])[0], k, bool(want))
         else:
             raise ValueError(f"unknown speculative op {code}")
