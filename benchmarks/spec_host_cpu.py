@@ -68,11 +68,13 @@ def measure(path: str, batch: int, k: int, chain: bool, steps: int) -> dict:
     if k:
         r.draft_graphs = DraftGraphs(r.model, r.cache, BUCKETS, eng.max_context)
         wrap_body(r.draft_graphs, counter)
-        chains, ex = None, r.spec_executor()
-        if chain:  # the executor would make it at its first chain: made here to count its body apart
+        ex = r.spec_executor()
+        if chain:  # the executor would make it at the scheduler's start: made here to count its body apart
             chains = ChainGraphs(r.model, r.cache, [1, 2, 4, 8, 16, 32], r.graphs.inputs.max_blocks * 16, k)
             wrap_body(chains, counter)
-        ex.chains[k] = chains  # None: the per-replay path
+            ex.chains[k] = chains
+        else:  # the per-replay path
+            ex._make_chain = lambda k: None
     syncs = [0]
     to_host = spec_exec.to_host
 

@@ -12,6 +12,8 @@ spec_decode.py decides on the host (rank 0) what runs; each decision is one op h
     chain(seq_ids, ks, base, k, want_logits)
                                  greedy drafts chained on the device, then their verify; ONE
                                  transfer to the host at its end (drafts and target argmax)
+    prepare(k)                   make (on a GPU: capture) the ChainGraphs of K = k now, not at
+                                 the first step that needs them
 
 `src` names a state: "hidden" (the last target's), "g" (the last draft's) or "store" (rows are
 seq_ids: each decoding sequence's last MTP output, the chain's first input). On rank 0 of a
@@ -42,7 +44,7 @@ import torch
 from mlac.runtime.spec_chain import ChainGraphs
 from mlac.runtime.step import Step
 
-TARGET, LOGITS, DRAFT, KEEP, CHAIN = 1, 2, 3, 4, 5  # op codes
+TARGET, LOGITS, DRAFT, KEEP, CHAIN, PREPARE = 1, 2, 3, 4, 5, 6  # op codes
 SOURCES = ("hidden", "g", "store")
 Send = Callable[[int, list[int]], None]
 Fail = Callable[[BaseException], BaseException]  # RankGroup.fail
@@ -103,7 +105,7 @@ class SpecExecutor:
         self.ready: dict[str, torch.Tensor | None] = {"hidden": None, "g": None}  # logits from graphs
         self.store: dict[int, torch.Tensor] = {}  # seq_id -> [D]
         self.tokens: dict[int, torch.Tensor] = {}  # seq_id -> [] int64: the greedy d_0 of its store entry
-        self.chains: dict[int, ChainGraphs | None] = {}  # K -> the one-replay chain (made at first use)
+        self.chains: dict[int, ChainGraphs] = {}  # K -> the one-replay chain (prepare, or first use)
         self.resident: tuple[int, ...] = ()  # seq_ids whose state is in rows 0.. of `resident_in`
         self.resident_in: ChainGraphs | None = None
 
@@ -250,12 +252,22 @@ class SpecExecutor:
     def _chain_graphs(self, k: int, num_seqs: int) -> ChainGraphs | None:
         """The ChainGraphs of K = k (made, and on a GPU captured, at first use: every rank at once,
         inside this op), when the runner has decode graphs and one bucket fits num_seqs."""
-        if k not in self.chains:
-            self.chains[k] = self._make_chain(k)
-        graphs = self.chains[k]
+        graphs = self.chains.get(k)
+        if graphs is None:
+            graphs = self._make_chain(k)
+            if graphs is not None:
+                self.chains[k] = graphs
         return graphs if graphs is not None and graphs.can_run(num_seqs) else None
 
+    @torch.inference_mode()
+    def prepare(self, k: int) -> None:
+        """Make the ChainGraphs of K = k now (captured on a GPU: every rank at once, in this op)."""
+        with self._op(PREPARE, [k]):
+            self._chain_graphs(k, 0)
+
     def _make_chain(self, k: int) -> ChainGraphs | None:
+        """None without decode graphs that keep hidden states, or without a bucket whose k + 1 rows
+        per sequence fit the largest decode bucket."""
         decode = self.runner.graphs
         if decode is None or getattr(decode, "hidden", None) is None or k + 1 > self.cache.block_size:
             return None
@@ -330,5 +342,7 @@ class SpecExecutor:
             n, k, want = ints[:3]
             rest = ints[3:]
             self.chain(rest[:n], rest[n : 2 * n], step_of_ints(rest[2 * n :])[0], k, bool(want))
+        elif code == PREPARE:
+            self.prepare(ints[0])
         else:
             raise ValueError(f"unknown speculative op {code}")
