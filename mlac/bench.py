@@ -14,7 +14,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -41,6 +41,8 @@ class BenchResult:
     roofline_tokens_per_s: float
     roofline_fraction: float
     accept_length: float | None = None  # speculative decoding: tokens per sequence per verify step
+    # speculative decoding: plain decoding's tok/s in the same run (same engine and overlap setting)
+    plain_decode_tokens_per_s: float | None = None
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -92,12 +94,14 @@ class BatchRun:
     accept_length: float | None  # speculative decoding's tokens per verify (None: not speculating)
 
 
-def run_batch(engine: Engine, batch: int, input_len: int, output_len: int, seed: int = 0) -> BatchRun:
-    """Prefill and decode of one batch through a fresh scheduler."""
+def run_batch(
+    engine: Engine, batch: int, input_len: int, output_len: int, seed: int = 0, plain: bool = False
+) -> BatchRun:
+    """Prefill and decode of one batch through a fresh scheduler (`plain`: without speculation)."""
     rng = random.Random(seed)
     vocab = engine.config.vocab_size
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    sched = engine.scheduler()
+    sched = engine.scheduler(replace(engine.scheduler_config, speculative_num_steps=0) if plain else None)
     seqs = [
         engine.new_sequence([rng.randrange(3, vocab) for _ in range(input_len)], params) for _ in range(batch)
     ]
@@ -129,13 +133,21 @@ def bench(
     output_len: int,
     progress: Callable[[str], None] = lambda _: None,
 ) -> tuple[float, list[BenchResult]]:
-    """(copy bandwidth bytes/s, one result per batch size). Each batch runs once untimed first."""
+    """(copy bandwidth bytes/s, one result per batch size). Each batch runs once untimed first, long
+    enough for every step shape it meets (speculative: steps of K drafts, then the shorter ones at
+    its end); a speculative run also times plain decoding of the batch, its baseline."""
     manifest = engine.manifest
     bandwidth = copy_bandwidth(engine.device)
     kv_per_token = engine.cache.bytes_per_block(engine.config, 1, engine.cache.dtype, engine.cache.kv_dtype)
+    k = engine.scheduler_config.speculative_num_steps
     results = []
     for b in batch_sizes:
-        run_batch(engine, b, input_len, min(output_len, 4), seed=1)  # warm-up: this batch's shapes
+        run_batch(engine, b, input_len, min(output_len, 4 + 3 * (k + 1)), seed=1)  # warm-up
+        plain_tps = None
+        if k:
+            run_batch(engine, b, input_len, min(output_len, 4), seed=1, plain=True)
+            p = run_batch(engine, b, input_len, output_len, plain=True)
+            plain_tps = p.tokens / p.decode_s if p.steps else 0.0
         r = run_batch(engine, b, input_len, output_len)
         prefill_s, decode_s, steps = r.prefill_s, r.decode_s, r.steps
         step_bytes = decode_step_bytes(manifest, b, input_len + output_len // 2, kv_per_token)
@@ -146,8 +158,11 @@ def bench(
             prefill_tokens_per_s=b * input_len / prefill_s, decode_steps=steps, decode_s=decode_s,
             decode_tokens_per_s=decode_tps, ms_per_step=1e3 * decode_s / max(steps, 1), step_bytes=step_bytes,
             roofline_tokens_per_s=roofline, roofline_fraction=decode_tps / roofline, accept_length=r.accept_length,
+            plain_decode_tokens_per_s=plain_tps,
         ))  # fmt: skip
         spec = f", {r.accept_length:.2f} tokens per verify" if r.accept_length is not None else ""
+        if plain_tps:
+            spec += f", {decode_tps / plain_tps:.2f}x plain decoding's {plain_tps:,.0f} tok/s"
         progress(f"batch {b}: decode {decode_tps:,.0f} tok/s{spec}")
     return bandwidth, results
 
@@ -159,7 +174,10 @@ def table(bandwidth: float, results: list[BenchResult]) -> str:
         f"{r.roofline_tokens_per_s:>15,.0f} {r.roofline_fraction:>11.1%}"
         for r in results
     ]
-    spec = [f"speculative: {r.accept_length:.2f} tokens per verify at batch {r.batch}"
+    spec = [f"speculative: {r.accept_length:.2f} tokens per verify at batch {r.batch}" + (
+                f"; plain decoding (same engine, same overlap setting) {r.plain_decode_tokens_per_s:,.1f} tok/s, "
+                f"speed-up {r.decode_tokens_per_s / r.plain_decode_tokens_per_s:.2f}x"
+                if r.plain_decode_tokens_per_s else "")
             for r in results if r.accept_length is not None]  # fmt: skip
     return "\n".join(
         [f"device copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)", head, *rows, *spec]
@@ -183,13 +201,16 @@ def to_json(engine: Engine, bandwidth: float, results: list[BenchResult], **sett
 
 
 def profile_decode(engine: Engine, batch: int, input_len: int, steps: int = 8) -> dict:
-    """Kernel launches, GPU kernel time and wall time per decode step (torch profiler, CUDA only),
-    over `steps` decode steps of `batch` sequences after their prefill."""
+    """Kernel launches, graph replays, copies, GPU kernel time and wall time per decode step (torch
+    profiler, CUDA only), over `steps` decode steps of `batch` sequences after their prefill. With
+    speculative decoding a step is a speculative step (drafts, verify, refresh): `tokens_per_step`
+    says what it yields, and wall minus GPU time bounds the host's share."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     rng = random.Random(2)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    k = engine.scheduler_config.speculative_num_steps
+    params = SamplingParams(max_tokens=(steps + 2) * (k + 1), ignore_eos=True)  # no sequence ends inside
     vocab = engine.config.vocab_size
     sched = engine.scheduler()
     seqs = [
@@ -202,30 +223,57 @@ def profile_decode(engine: Engine, batch: int, input_len: int, steps: int = 8) -
             sched.step()
         sched.step()  # one decode step outside the profile
         _sync(engine.device)
+        before = sum(len(s.output_ids) for s in seqs)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             for _ in range(steps):
                 sched.step()
             _sync(engine.device)
             wall = time.perf_counter() - start
+        tokens = sum(len(s.output_ids) for s in seqs) - before
     finally:
         sched.abort_all()
-    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return _profile_record(prof.events(), DeviceType, batch, steps, wall, tokens, k)
+
+
+def _profile_record(events, device_type, batch: int, steps: int, wall: float, tokens: int, k: int) -> dict:
+    gpu = [e for e in events if e.device_type == device_type.CUDA]
     kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    replays = sum(1 for e in events if e.device_type == device_type.CPU and e.name == "cudaGraphLaunch")
     names: dict[str, list[float]] = {}  # name -> [launches, GPU µs]
     for e in kernels:
         n = names.setdefault(e.name[:100], [0, 0.0])
         n[0] += 1
         n[1] += e.device_time
     top = sorted(names.items(), key=lambda kv: -kv[1][1])[:25]
+    gpu_ms = sum(e.device_time for e in kernels) / 1e3 / steps
     return {
         "batch": batch,
         "steps": steps,
+        "speculative_num_steps": k,
+        "tokens_per_step": tokens / steps,  # over the batch
         "kernels_per_step": len(kernels) / steps,
+        "graph_replays_per_step": replays / steps,
         "copies_per_step": (len(gpu) - len(kernels)) / steps,
-        "gpu_kernel_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
+        "gpu_kernel_ms_per_step": gpu_ms,
         "wall_ms_per_step": 1e3 * wall / steps,
+        "gpu_idle_ms_per_step": max(0.0, 1e3 * wall / steps - gpu_ms),  # the host's share, at most
         "kernels_by_gpu_time": [
             {"name": n, "launches_per_step": c / steps, "gpu_us_per_step": us / steps} for n, (c, us) in top
         ],
     }
+
+
+def profile_line(prof: dict) -> str:
+    """One line of `profile_decode`'s record for the terminal."""
+    kind = (
+        f"speculative step (K = {prof['speculative_num_steps']})"
+        if prof["speculative_num_steps"]
+        else "decode step"
+    )
+    return (
+        f"profile, batch {prof['batch']}, per {kind}: {prof['kernels_per_step']:.0f} kernels, "
+        f"{prof['graph_replays_per_step']:.1f} graph replays, {prof['copies_per_step']:.1f} copies, "
+        f"{prof['gpu_kernel_ms_per_step']:.3f} ms GPU kernel time of {prof['wall_ms_per_step']:.3f} ms wall, "
+        f"{prof['tokens_per_step']:.2f} tokens"
+    )

@@ -446,8 +446,7 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
             else None
         )
         if prof is not None:
-            click.echo(f"profile, batch {prof['batch']}: {prof['kernels_per_step']:.0f} kernels per decode step, "
-                       f"{prof['gpu_kernel_ms_per_step']:.2f} ms GPU kernel time of {prof['wall_ms_per_step']:.2f} ms wall")  # fmt: skip
+            click.echo(b.profile_line(prof))
         if json_path is not None:
             settings = dict(input_len=input_len, output_len=output_len, cuda_graph=cuda_graph,
                             cuda_graph_max_bs=cuda_graph_max_bs, dtype=dtype, profile=prof,
