@@ -63,16 +63,14 @@ def split_for(n_tiles: int, k_blocks: int, sms: int, min_blocks: int = 2) -> int
 
 def default_config(kind: str, n: int, k: int, m: int, sms: int) -> SkinnyConfig:
     """A config by rule: CUDA cores up to 4 rows (each W element feeds <= 4 FMAs), tensor cores
-    above; narrow N tiles for narrow N; split-K up to about 2 programs per SM."""
+    above; one row keeps a [BN, BK] float32 accumulator, 2-4 rows reduce each step (narrower
+    tiles: registers); narrow N tiles for narrow N; split-K up to about 2 programs per SM."""
     dot = m > 4
-    if kind == "fp8":
-        block_k, block_n = BLOCK, (64 if dot or n >= 2048 else 32)
-    else:
-        block_k, block_n = (128, 64) if dot else (256, 32)
+    block_k = BLOCK if dot or kind == "fp8" else 2 * BLOCK
+    block_n = 64 if dot else 32 if m == 1 else 16
     if n <= 1024:
-        block_n = 16 if not dot else 32
-    k_blocks = triton.cdiv(k, block_k)
-    split = split_for(triton.cdiv(n, block_n), k_blocks, sms)
+        block_n = max(16, block_n // 2)
+    split = split_for(-(-n // block_n), -(-k // block_k), sms)
     return SkinnyConfig(block_n, block_k, split_k=split, num_warps=4, num_stages=4, dot=dot)
 
 
@@ -101,6 +99,37 @@ def skinny_linear_ref(
 
 
 @jit
+def _act_row(
+    x_ptr,
+    xs_ptr,
+    m: tl.constexpr,
+    offs_k,
+    k_ok,
+    kb,
+    M,
+    stride_xm,
+    stride_xsm,
+    W_FP8: tl.constexpr,
+    X_FP8: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+):
+    """Row m of x at this K step -> (values [BK] float32, scale): the e4m3 values and their
+    (row, 128-group) scale when W_FP8 (loaded, or quantized here as quantize_act_ref does), else
+    x's values and 1. Zeros past row M-1 or column K-1."""
+    row_ok = tl.full((), m, tl.int32) < M
+    x_ok = k_ok & (tl.zeros_like(offs_k) + m < M)  # NOTE: `k_ok & row_ok` breaks the interpreter
+    xm = tl.load(x_ptr + stride_xm * m + offs_k, mask=x_ok, other=0.0).to(tl.float32)  # [BK]
+    sm = tl.full((), 1.0, tl.float32)
+    if W_FP8:
+        if X_FP8:
+            sm = tl.load(xs_ptr + stride_xsm * m + kb, mask=row_ok, other=0.0)
+        else:
+            sm = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xm), axis=0), 1e-12), FP8_MAX_C)
+            xm = round_e4m3(tl.clamp(tl.math.div_rn(xm, sm), -FP8_MAX_C, FP8_MAX_C))
+    return xm, sm
+
+
+@jit
 def _rows_product(
     w,
     x_ptr,
@@ -117,24 +146,16 @@ def _rows_product(
     X_FP8: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
 ):
-    """CUDA cores: w [BN, BK] times each of the BLOCK_M rows of x -> [BN, BM] float32 (each row's
-    K step already scaled by its activation scale when W_FP8)."""
+    """CUDA cores: w [BN, BK] times each of the BLOCK_M rows of x -> [BN, BM] float32, each row
+    scaled by its activation scale."""
     wf = w.to(tl.float32)
     cols = tl.arange(0, BLOCK_M)
     part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for m in tl.static_range(BLOCK_M):
-        row_ok = tl.full((), m, tl.int32) < M
-        xm_ok = k_ok & (tl.zeros_like(offs_k) + m < M)  # NOTE: `k_ok & row_ok` breaks the interpreter
-        xm = tl.load(x_ptr + stride_xm * m + offs_k, mask=xm_ok, other=0.0).to(tl.float32)  # [BK]
-        if W_FP8:
-            if X_FP8:
-                sm = tl.load(xs_ptr + stride_xsm * m + kb, mask=row_ok, other=0.0)
-            else:  # quantize_act_ref's arithmetic on this (row, 128-group)
-                sm = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xm), axis=0), 1e-12), FP8_MAX_C)
-                xm = round_e4m3(tl.clamp(tl.math.div_rn(xm, sm), -FP8_MAX_C, FP8_MAX_C))
-            col = tl.sum(wf * xm[None, :], axis=1) * sm  # [BN]
-        else:
-            col = tl.sum(wf * xm[None, :], axis=1)  # [BN]
+        xm, sm = _act_row(
+            x_ptr, xs_ptr, m, offs_k, k_ok, kb, M, stride_xm, stride_xsm, W_FP8, X_FP8, FP8_MAX_C
+        )
+        col = tl.sum(wf * xm[None, :], axis=1) * sm  # [BN]
         part += tl.where(cols[None, :] == m, col[:, None], 0.0)
     return part
 
@@ -170,6 +191,15 @@ def _dot_product(
             x = xq.to(w.dtype)
         return tl.dot(w, tl.trans(x)) * sx[None, :]
     return tl.dot(w, tl.trans(x))
+
+
+@jit
+def _load_w(w_rows, kb, n_ok, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BN, BK] tile of W at K step kb (zeros past row N-1 and column K-1)."""
+    if EVEN_K:
+        return tl.load(w_rows + kb * BLOCK_K, mask=n_ok[:, None], other=0.0)
+    k_ok = kb * BLOCK_K + tl.arange(0, BLOCK_K) < K
+    return tl.load(w_rows + kb * BLOCK_K, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
 
 
 @jit(dynamic=("M",))
@@ -210,39 +240,53 @@ def _skinny_kernel(
 
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[None, :]  # [BN, BK]
     wsc_row = wsc_ptr + (pid_n * BLOCK_N // 128) * stride_wsn  # the tile lies in one 128-row block
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y.T tile
+    ONE_ROW: tl.constexpr = BLOCK_M == 1 and not DOT
+    if ONE_ROW:  # elementwise products summed over K once, after the loop
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y.T tile
+    if not DOT:
+        w = _load_w(w_rows, tl.minimum(kb_start, kb_total - 1), n_ok, K, BLOCK_K, EVEN_K)
     for kb in range(kb_start, kb_end):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        if EVEN_K:
-            w = tl.load(w_rows + kb * BLOCK_K, mask=n_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_rows + kb * BLOCK_K, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT:
+        sw = tl.load(wsc_row + kb) if W_FP8 else tl.full((), 1.0, tl.float32)
+        if DOT:  # loads that feed tl.dot: Triton's pipeliner keeps num_stages tiles in flight
+            w = _load_w(w_rows, kb, n_ok, K, BLOCK_K, EVEN_K)
             part = _dot_product(
                 w, x_ptr, xs_ptr, offs_k, k_ok, kb, M, stride_xm, stride_xsm, BLOCK_M, W_FP8, X_FP8, FP8_MAX_C
             )
+            acc += sw * part
         else:
-            part = _rows_product(
-                w,
-                x_ptr,
-                xs_ptr,
-                offs_k,
-                k_ok,
-                kb,
-                M,
-                stride_xm,
-                stride_xsm,
-                BLOCK_M,
-                BLOCK_N,
-                W_FP8,
-                X_FP8,
-                FP8_MAX_C,
-            )
-        if W_FP8:
-            acc += part * tl.load(wsc_row + kb)
-        else:
-            acc += part
+            # NOTE: the next tile's load is issued before this one's math (two tiles in flight per
+            # program); the last step reloads its own tile rather than read past the split.
+            w_next = _load_w(w_rows, tl.minimum(kb + 1, kb_end - 1), n_ok, K, BLOCK_K, EVEN_K)
+            if ONE_ROW:
+                x0, s0 = _act_row(
+                    x_ptr, xs_ptr, 0, offs_k, k_ok, kb, M, stride_xm, stride_xsm, W_FP8, X_FP8, FP8_MAX_C
+                )
+                acc += w.to(tl.float32) * (x0 * (s0 * sw))[None, :]
+            else:
+                part = _rows_product(
+                    w,
+                    x_ptr,
+                    xs_ptr,
+                    offs_k,
+                    k_ok,
+                    kb,
+                    M,
+                    stride_xm,
+                    stride_xsm,
+                    BLOCK_M,
+                    BLOCK_N,
+                    W_FP8,
+                    X_FP8,
+                    FP8_MAX_C,
+                )
+                acc += sw * part
+            w = w_next
+    if ONE_ROW:
+        acc = tl.sum(acc, axis=1)[:, None]  # [BN, 1]
 
     offs_m = tl.arange(0, BLOCK_M)
     y_mask = n_ok[:, None] & (offs_m < M)[None, :]
