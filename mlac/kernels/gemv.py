@@ -16,6 +16,7 @@ dtype and accumulate in float32.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +75,10 @@ def default_config(kind: str, n: int, k: int, m: int, sms: int) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, split_k=split, num_warps=4, num_stages=4, dot=dot)
 
 
+@functools.cache
 def pick_config(kind: str, n: int, k: int, m: int, device: torch.device) -> SkinnyConfig:
-    """TUNED's entry for (kind, N, K, m_class(M)), else default_config."""
+    """TUNED's entry for (kind, N, K, m_class(M)), else default_config (cached: eager steps call
+    this per Linear)."""
     tuned = TUNED.get((kind, n, k, m_class(m)))
     return tuned if tuned is not None else default_config(kind, n, k, m, sm_count(device))
 
@@ -357,6 +360,8 @@ def skinny_gemm(
     (m, k), n = a.shape, w.shape[0]
     cfg = config or pick_config("fp8" if scale is not None else "bf16", n, k, m, a.device)
     _check(a, w, scale, cfg)
+    if fp8_act:
+        assert a_scale.shape == (m, triton.cdiv(k, BLOCK)) and a_scale.stride(-1) == 1, a_scale.shape
     y = torch.empty(m, n, dtype=x.dtype, device=a.device)
     if m == 0 or n == 0:
         return y
