@@ -186,7 +186,7 @@ def work_items(quick: bool, sms: int) -> list[tuple[str, int, int, str, int, lis
 
 
 def _compile_worker(items: list) -> int:
-    """Run each skinny config once (one copy, no graph): Triton writes the kernels to its disk cache."""
+    """Run each config once (one copy, no graph): Triton writes the kernels to its disk cache."""
     done = 0
     for _, n, k, kind, m, cfgs in items:
         case = Case(n, k, kind, m, rotate=False)
@@ -196,9 +196,10 @@ def _compile_worker(items: list) -> int:
                 done += 1
             except Exception:  # noqa: BLE001 - the main process records the error
                 pass
-        if kind == "fp8":
+        extra = [("skinny_xbf16", cfgs[0]), ("fp8_gemm", None)] if kind == "fp8" else []
+        for impl, cfg in extra:
             try:
-                case.call("skinny_xbf16", cfgs[0], 0)
+                case.call(impl, cfg, 0)
             except Exception:  # noqa: BLE001
                 pass
     torch.cuda.synchronize()
