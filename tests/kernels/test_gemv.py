@@ -267,3 +267,21 @@ def test_gpu_real_shapes(m, n, k):
     _util.assert_close(_run(x, w8, s), _util.fp8_linear_ref64(x, w8, s))
     x_act = _act(x, torch.bfloat16)
     _util.assert_close(_run(x_act, w8, s), _util.fp8_linear_ref64(x, w8, s))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_cuda_graph_replays_match_eager(fp8):
+    """Captured with split-K (counters allocated by the eager warm-up), replayed twice: the same
+    bits as the eager call each time (the counters are left zeroed by every launch)."""
+    n, k, cfg = 576, 2048, Cfg(32, 128, split_k=4)
+    x = _x(1, k, torch.bfloat16, seed=1)
+    w, s = _fp8_w(n, k, seed=1) if fp8 else (_dense_w(n, k, torch.bfloat16, seed=1), None)
+    eager = gemv.skinny_linear(x, w, s, cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv.skinny_linear(x, w, s, cfg)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager)
