@@ -3,12 +3,14 @@
 # tests of the speculative path, then the trained small model (benchmarks/train_small.py `small`,
 # or the checkpoint at $CKPT) compiled with its MTP layer, bf16 and --fp8, measured in process by
 # `mlac bench` at batch 1, 8 and 32 without speculation and with --speculative-num-steps 1..3
-# (each record holds the acceptance length, `accept_length`: tokens per sequence per verify step).
+# (each record holds the acceptance length, `accept_length`: tokens per sequence per verify step, the
+# plain-decoding baseline of the same run, `plain_decode_tokens_per_s`, and under "profile" the
+# kernels, graph replays, copies, GPU and wall ms of one step at batch 1).
 # Env: CKPT (skip training), TRAIN_MIN (10), ARTS ("bf16 fp8"), STEPS ("1 2 3"), BATCHES, INPUT_LEN, OUTPUT_LEN.
 # $OUT: bench_*.json, tests.txt, train.log, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mtp_spec.py tests/test_graphs.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mtp_spec.py tests/test_mtp_spec_chain.py tests/test_graphs.py \
   >"$OUT/tests.txt" 2>&1; stamp "gpu tests rc=$?"; tail -5 "$OUT/tests.txt"
 C=${CKPT:-$W/small}
 if [ -z "${CKPT:-}" ]; then
@@ -20,8 +22,8 @@ python3 -m mlac.cli compile $C $W/bf16 >$W/c1.log 2>&1 || { tail -5 $W/c1.log; e
 python3 -m mlac.cli inspect $W/bf16 | grep -E "^(mtp|accuracy)"; stamp compile
 B="python3 -m mlac.cli bench --no-verify --input-len ${INPUT_LEN:-128} --output-len ${OUTPUT_LEN:-128} --batch-sizes ${BATCHES:-1,8,32}"
 for art in ${ARTS:-bf16 fp8}; do
-  $B $W/$art --json "$OUT/bench_${art}_plain.json"; stamp "bench $art plain rc=$?"
+  $B $W/$art --profile --json "$OUT/bench_${art}_plain.json"; stamp "bench $art plain rc=$?"
   for k in ${STEPS:-1 2 3}; do
-    $B $W/$art --speculative-num-steps $k --json "$OUT/bench_${art}_k$k.json"; stamp "bench $art k=$k rc=$?"
+    $B $W/$art --profile --speculative-num-steps $k --json "$OUT/bench_${art}_k$k.json"; stamp "bench $art k=$k rc=$?"
   done
 done

@@ -242,3 +242,31 @@ def test_logprobs_requests_take_the_per_replay_path(plain, artifact, monkeypatch
         for u, v in zip(x.logprobs, y.logprobs, strict=True):
             assert u.token_id == v.token_id and abs(u.logprob - v.logprob) < 1e-4
     assert not runs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_captured_chain_equals_its_eager_body(artifact, monkeypatch, fp8):
+    """On a GPU: the scheduler's start captures the chain of every bucket whose K + 1 rows per
+    sequence fit the largest decode bucket; its replays give the tokens of the same padded body run
+    eagerly, and each greedy decode-only step is one replay."""
+    kw = dict(device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=256, cuda_graph_max_bs=32)
+    eng = spec_engine(artifact("tiny-v3", fp8=fp8), 3, **kw)
+    eng.scheduler()  # its SpecDecoder prepares the chain
+    chain = eng.runner.spec_executor().chains[3]
+    assert sorted(chain.graphs) == [1, 2, 4, 8]  # 4 rows per sequence, up to the decode bucket 32
+    runs: list[str] = []
+    counting(monkeypatch, ChainGraphs, "run", runs)
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 3, 8):
+        ps = [torch.randint(3, 200, (4 + 3 * i,), generator=g).tolist() for i in range(n)]
+        runs.clear()
+        replayed, _ = run(eng, ps, SamplingParams(max_tokens=16, ignore_eos=True), check=False)
+        assert runs, f"batch {n}: no chain replay"
+        captured, chain.graphs = chain.graphs, {}  # the same padded body, eagerly
+        try:
+            padded_eager, _ = run(eng, ps, SamplingParams(max_tokens=16, ignore_eos=True), check=False)
+        finally:
+            chain.graphs = captured
+        assert replayed == padded_eager, f"batch {n}"
