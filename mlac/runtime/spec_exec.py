@@ -234,7 +234,8 @@ class SpecExecutor:
         logits are wanted it runs as one ChainGraphs replay, refresh included (refreshed: the
         sequences' next states are set, their keep is -1); else "hidden" holds the verify's
         hidden states for the refresh."""
-        ints = [len(seq_ids), k, int(want_logits), *seq_ids, *ks, *step_ints(base)]
+        mirrored = self.send is not None  # the op's integers are only for the other ranks
+        ints = [len(seq_ids), k, int(want_logits), *seq_ids, *ks, *step_ints(base)] if mirrored else []
         with self._op(CHAIN, ints):
             graphs = None if want_logits or set(ks) != {k} else self._chain_graphs(k, len(ks))
             if graphs is not None:
