@@ -7,7 +7,8 @@ The runner gets DecodeGraphs / DraftGraphs / ChainGraphs objects without capture
 "replay" runs its padded body eagerly, as on a GPU bucket that was not captured. Per decode step it
 reports the torch ops launched from Python OUTSIDE the graph bodies (on a GPU each of those is a
 launch or a copy from the host; the bodies are one replay each), the graph replays, the host syncs
-(spec_exec.to_host), and the wall ms per step with and without the bodies' time. Modes: plain
+(spec_exec.to_host), the wall ms per step with and without the bodies' time, and the ms of as many
+more steps whose bodies do nothing (the host's work alone, less noisy on a shared CPU). Modes: plain
 (K = 0), spec (the per-replay path: DecodeGraphs + DraftGraphs), chain (one ChainGraphs replay).
 """
 
@@ -36,6 +37,7 @@ class Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops, self.inside, self.replays, self.body_s = 0, 0, 0, 0.0
+        self.skip = False  # bodies do nothing (their outputs stay stale): the host's time alone
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside:
@@ -51,7 +53,8 @@ def wrap_body(obj, counter: Counter) -> None:
         counter.replays += 1
         start = time.perf_counter()
         try:
-            step(bs)
+            if not counter.skip:
+                step(bs)
         finally:
             counter.inside -= 1
             counter.body_s += time.perf_counter() - start
@@ -87,7 +90,7 @@ def measure(path: str, batch: int, k: int, chain: bool, steps: int) -> dict:
 
     spec_decode.to_host = counted
     sched = eng.scheduler()
-    params = SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True)
+    params = SamplingParams(max_tokens=12 * steps + 16, ignore_eos=True)
     seqs = [eng.new_sequence(list(range(5 + i, 37 + i)), params) for i in range(batch)]
     for s in seqs:
         sched.add(s)
@@ -104,6 +107,12 @@ def measure(path: str, batch: int, k: int, chain: bool, steps: int) -> dict:
             sched.step()
     wall = time.perf_counter() - start
     tokens = sum(len(s.output_ids) for s in seqs) - tokens0
+    replays, synced = counter.replays, syncs[0]
+    counter.skip = True
+    start = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    host_only = time.perf_counter() - start
     sched.abort_all()
     spec_exec.to_host = spec_decode.to_host = to_host
     return {
@@ -111,11 +120,12 @@ def measure(path: str, batch: int, k: int, chain: bool, steps: int) -> dict:
         "batch": batch,
         "k": k,
         "ops_per_step": counter.ops / steps,
-        "replays_per_step": counter.replays / steps,
-        "syncs_per_step": syncs[0] / steps,
+        "replays_per_step": replays / steps,
+        "syncs_per_step": synced / steps,
         "tokens_per_step": tokens / steps,
         "wall_ms_per_step": 1e3 * wall / steps,
         "host_ms_per_step": 1e3 * (wall - counter.body_s) / steps,
+        "host_only_ms_per_step": 1e3 * host_only / steps,  # the same steps with bodies that do nothing
     }
 
 
