@@ -139,9 +139,8 @@ class SpecDecoder:
         if cache.extra_layers < 1:
             raise MlacError("speculative decoding needs a KV cache with the MTP layer's pool (extra_layers)")
         self.exec, self.allocator, self.num_steps = runner.spec_executor(), cache.allocator, num_steps
-        self.exec.prepare(
-            num_steps
-        )  # the one-replay greedy step's graphs (spec_chain.py), if it can have them
+        # the one-replay greedy step's graphs (spec_chain.py), where the runner can have them
+        self.exec.prepare(num_steps)
         self.drafts: dict[int, Draft] = {}  # by seq_id
         self.stats = SpecStats()
 

@@ -275,7 +275,6 @@ class SpecExecutor:
         buckets = [b for b in decode.buckets if b * (k + 1) <= decode.max_bs]  # the verify's rows fit
         if not buckets:
             return None
-        self.evacuate()
         graphs = ChainGraphs(
             self.model, self.cache, buckets, decode.inputs.max_blocks * self.cache.block_size, k
         )
