@@ -63,9 +63,10 @@ def test_chain_inputs_rows_are_j_major_with_padding(artifact):
     cache = eng.runner.cache
     size, scratch = cache.block_size, cache.scratch_block
     inputs = ChainInputs(4, 3, cache, torch.device("cpu"))
+    inputs.fill([1, 2, 3], [40, 41, 42], [[9, 9, 9], [9, 9, 9], [9, 9, 9]], 4)  # a wider step first
     inputs.fill([11, 12], [size - 1, 3], [[4, 7], [2]], 4)  # sequence 0 crosses into its 2nd block
-    last, (every, b0, b1) = chain_batches(inputs.dev, 4, 2, size)
-    assert last.tolist() == [11, 12, 0, 0]
+    last, ctx, (every, b0, b1) = chain_batches(inputs, 4, 2, size)
+    assert last.tolist() == [11, 12, 0, 0] and ctx.tolist() == [size - 1, 3, 0, 0]
     # row j * 4 + i: sequence i at position ctx_i + j (padding rows: position j of the scratch block)
     assert every.positions.tolist() == [size - 1, 3, 0, 0, size, 4, 1, 1, size + 1, 5, 2, 2]
     want_slots = [4 * size + size - 1, 2 * size + 3, scratch * size, scratch * size]
@@ -74,6 +75,7 @@ def test_chain_inputs_rows_are_j_major_with_padding(artifact):
     assert every.slots.tolist() == want_slots
     assert every.seq_lens.tolist() == [p + 1 for p in every.positions.tolist()]
     assert every.block_tables[5, :2].tolist() == [2, 0] and every.block_tables[8, :2].tolist() == [4, 7]
+    assert every.block_tables[2, :1].tolist() == [scratch] and every.block_tables.shape == (12, 3)
     assert b1.positions.tolist() == every.positions[4:8].tolist() and b0.num_seqs == 4
     with pytest.raises(MlacError, match="longer than the graphs'"):
         inputs.fill([1], [0], [[1, 2, 3, 4]], 1)

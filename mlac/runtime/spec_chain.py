@@ -40,47 +40,64 @@ from mlac.runtime.model import DeepseekModel
 
 
 class ChainInputs:
-    """The host's part of a chain step for up to `max_bs` sequences: rows [last token, cached
-    length, block table (max_blocks)] int64, pinned on CUDA, copied to the device in one go."""
+    """The host's part of a chain step for up to `max_bs` sequences of up to `max_blocks` blocks, as
+    one flat int64 buffer (pinned on CUDA): [width, last tokens [bs], cached lengths [bs], block
+    tables [bs, width] packed], `width` the step's longest table. Only that prefix is copied to the
+    device, in one go: a step copies what its tables hold, not max_blocks per row."""
 
     def __init__(self, max_bs: int, max_blocks: int, cache: PagedKVCache, device: torch.device):
         self.max_blocks, self.scratch = max_blocks, cache.scratch_block
-        pin = device.type == "cuda"
-        self.host = torch.zeros(max_bs, 2 + max_blocks, dtype=torch.int64, pin_memory=pin)
-        self.dev = torch.zeros(max_bs, 2 + max_blocks, dtype=torch.int64, device=device)
+        pin, size = device.type == "cuda", 1 + 2 * max_bs + max_bs * max_blocks
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.copied = torch.cuda.Event() if pin else None  # the last host-to-device copy
         self.fill([0], [0], [[self.scratch]], max_bs)  # every row a padding row
 
     def fill(self, last: list[int], ctx: list[int], tables: list, bs: int) -> None:
-        """Sequence i's (last token, cached length, block table) into row i < B; rows B..bs padding
-        (token 0, nothing cached, the scratch block). Columns past a table keep stale block ids:
-        only the blocks below a row's position are read."""
+        """Sequence i's (last token, cached length, block table) as row i < B; rows B..bs padding
+        (token 0, nothing cached, the scratch block)."""
         width = max(len(t) for t in tables)
         if width > self.max_blocks:
             raise MlacError(f"a sequence of {width} blocks is longer than the graphs' {self.max_blocks}")
         pad = bs - len(last)
-        rows = [[x, c, *t, *[0] * (width - len(t))] for x, c, t in zip(last, ctx, tables, strict=True)]
-        rows += [[0, 0, self.scratch, *[0] * (width - 1)]] * pad
+        flat = [width, *last, *[0] * pad, *ctx, *[0] * pad]
+        for t in tables:
+            flat += [*t, *[0] * (width - len(t))]
+        flat += [self.scratch, *[0] * (width - 1)] * pad
         if self.copied is not None:
             self.copied.synchronize()  # the host buffer is free again once its last copy is done
-        self.host[:bs, : 2 + width] = torch.tensor(rows, dtype=torch.int64)
-        self.dev[:bs].copy_(self.host[:bs], non_blocking=True)  # the step's one copy in
+        n = len(flat)
+        self.host[:n] = torch.tensor(flat, dtype=torch.int64)
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)  # the step's one copy in
         if self.copied is not None:
             self.copied.record()
 
+    def unpack(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(last tokens [bs], cached lengths [bs], block tables [bs, max_blocks]) on the device, from
+        the packed prefix (columns past a table's width repeat its last column: never read)."""
+        dev = self.dev
+        width = dev[0]
+        cols = torch.minimum(torch.arange(self.max_blocks, device=dev.device), width - 1)  # [W]
+        index = 1 + 2 * bs + torch.arange(bs, device=dev.device)[:, None] * width + cols[None, :]
+        return dev[1 : 1 + bs], dev[1 + bs : 1 + 2 * bs], dev[index]
 
-def chain_batches(dev: torch.Tensor, bs: int, k: int, block_size: int) -> tuple[torch.Tensor, list]:
-    """(ids [bs] of t_{n-1}, [ForwardBatch of all (k + 1) bs rows, then of row block j = 0..k - 1])
-    from ChainInputs.dev's first bs rows (module doc: row j * bs + i is position c_i + j)."""
-    last, ctx, tab = dev[:bs, 0], dev[:bs, 1], dev[:bs, 2:]  # [bs], [bs], [bs, W]
-    steps = torch.arange(k + 1, device=dev.device)[:, None]  # [k + 1, 1]
+
+def chain_batches(
+    inputs: ChainInputs, bs: int, k: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(ids [bs] of t_{n-1}, cached lengths [bs], [ForwardBatch of all (k + 1) bs rows, then of row
+    block j = 0..k - 1]) from the inputs' first bs rows (module doc: row j * bs + i is position
+    c_i + j)."""
+    last, ctx, tab = inputs.unpack(bs)  # [bs], [bs], [bs, W]
+    dev = tab.device
+    steps = torch.arange(k + 1, device=dev)[:, None]  # [k + 1, 1]
     positions = (ctx[None, :] + steps).reshape(-1)  # [R] j-major
     tables = tab.repeat(k + 1, 1)  # [R, W]
     blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0]
     slots = blocks * block_size + positions % block_size
     tables, seq_lens = tables.to(torch.int32), (positions + 1).to(torch.int32)
-    cu = torch.arange((k + 1) * bs + 1, dtype=torch.int32, device=dev.device)
-    none = torch.zeros(0, dtype=torch.int64, device=dev.device)
+    cu = torch.arange((k + 1) * bs + 1, dtype=torch.int32, device=dev)
+    none = torch.zeros(0, dtype=torch.int64, device=dev)
 
     def rows(a: int, b: int) -> ForwardBatch:
         return ForwardBatch(
@@ -89,7 +106,7 @@ def chain_batches(dev: torch.Tensor, bs: int, k: int, block_size: int) -> tuple[
             cu_seqlens_kv=cu[: b - a + 1], kv_slots=none,
         )  # fmt: skip
 
-    return last, [rows(0, (k + 1) * bs), *[rows(j * bs, (j + 1) * bs) for j in range(k)]]
+    return last, ctx, [rows(0, (k + 1) * bs), *[rows(j * bs, (j + 1) * bs) for j in range(k)]]
 
 
 def accepted(drafts: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -130,8 +147,7 @@ class ChainGraphs:
 
     def _step(self, bs: int) -> None:
         k, model, cache = self.k, self.model, self.cache
-        last, (every, *blocks) = chain_batches(self.inputs.dev, bs, k, cache.block_size)
-        ctx = self.inputs.dev[:bs, 1]  # [bs] n - 1
+        last, ctx, (every, *blocks) = chain_batches(self.inputs, bs, k, cache.block_size)  # ctx: n - 1
         cols, x = [last, self.tokens[:bs]], self.g[:bs]
         for j in range(1, k):  # d_j (token n + j) from the MTP at position n - 2 + j over (g, d_{j-1})
             x = model.draft(x, cols[j], blocks[j - 1], cache)  # [bs, D]
