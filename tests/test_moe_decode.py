@@ -98,15 +98,16 @@ def test_decode_matches_reference(t, e, top_k, d, i, n_invalid, fp8, monkeypatch
 
 
 @needs_triton
-@pytest.mark.parametrize("rows,block_n", [(1, 16), (4, 64)])
-def test_decode_configs(rows, block_n, monkeypatch):
-    """Other tiles: one row per pass (an expert's 5 rows take 5 passes), 4 rows, wider N blocks."""
+@pytest.mark.parametrize("rows,block_n,fuse_sum", [(1, 16, False), (4, 64, False), (2, 32, True)])
+def test_decode_configs(rows, block_n, fuse_sum, monkeypatch):
+    """Other tiles: one row per pass (an expert's 5 rows take 5 passes), 4 rows, wider N blocks;
+    GEMM2 per token with the top-k sum where experts are shared by several tokens."""
     _no_grouped_path(monkeypatch)
     t, e, top_k, d, i = 5, 3, 2, 256, 160
     w13, w2, s13, s2 = _experts(e, d, i, True, seed=rows)
     weights, ids = _routing(t, e, top_k, seed=rows + 1)
     x = _x(t, d, seed=rows + 2)
-    cfg = dec_mod.MoeDecodeConfig(block_n, block_n, 128, rows, num_warps=2)
+    cfg = dec_mod.MoeDecodeConfig(block_n, block_n, 128, rows, num_warps=2, fuse_sum=fuse_sum)
     ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
     _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2, cfg), ref)
 
@@ -129,18 +130,20 @@ def test_decode_fp8_act_input(t, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("fuse_sum", [False, True], ids=["reduce", "fused-sum"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_decode_adds_shared_out_and_is_deterministic(fp8, monkeypatch):
+def test_decode_adds_shared_out_and_is_deterministic(fp8, fuse_sum, monkeypatch):
     _no_grouped_path(monkeypatch)
     t, e, top_k, d, i = 2, 6, 3, 200, 96
+    cfg = dec_mod.MoeDecodeConfig(fuse_sum=fuse_sum)
     w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=5)
     weights, ids = _routing(t, e, top_k, seed=6, n_invalid=1)
     x = _x(t, d, seed=7)
     shared = _x(t, d, seed=8)
     ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2, shared_out=shared)
-    out = _run(x, w13, w2, weights, ids, s13, s2, shared_out=shared)
+    out = _run(x, w13, w2, weights, ids, s13, s2, cfg, shared_out=shared)
     _util.assert_close(out, ref)
-    assert torch.equal(out, _run(x, w13, w2, weights, ids, s13, s2, shared_out=shared))
+    assert torch.equal(out, _run(x, w13, w2, weights, ids, s13, s2, cfg, shared_out=shared))
 
 
 @needs_triton
@@ -156,7 +159,7 @@ def test_decode_no_local_expert_gives_shared_out(monkeypatch):
 
 def test_pick_decode_config_bounds(monkeypatch):
     """Decode shapes only: <= MAX_PAIRS pairs and <= 4 rows per expert; the switch turns it off."""
-    assert dec_mod.pick_moe_decode_config(6, 64, fp8=True) is not None  # V2-Lite batch 1
+    assert dec_mod.pick_moe_decode_config(6, 64, fp8=True).fuse_sum  # V2-Lite batch 1
     assert dec_mod.pick_moe_decode_config(192, 64, fp8=False).rows == 4  # batch 32: 3 rows per expert
     assert dec_mod.pick_moe_decode_config(300, 256, fp8=True) is None  # too many pairs
     assert dec_mod.pick_moe_decode_config(64 * 6, 64, fp8=True) is None  # prefill-like rows per expert
@@ -173,7 +176,7 @@ def test_switch_off_runs_grouped_gemms(monkeypatch):
         raise AssertionError("the decode kernel ran")
 
     monkeypatch.setattr(dec_mod, "ENABLED", False)
-    monkeypatch.setattr(moe_mod, "moe_decode_experts", no_decode)
+    monkeypatch.setattr(moe_mod, "moe_decode_gate_up", no_decode)
     w13, w2, _, _ = _experts(8, 96, 64, False, seed=3)
     weights, ids = _routing(1, 8, 2, seed=4)
     x = _x(1, 96, seed=5)

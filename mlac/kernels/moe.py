@@ -28,7 +28,13 @@ from mlac.kernels.fp8_quant import (
     triton,
 )
 from mlac.kernels.fp8_quant import use_triton as _use_triton
-from mlac.kernels.moe_decode import MoeDecodeConfig, moe_decode_experts, pick_moe_decode_config
+from mlac.kernels.moe_decode import (
+    MoeDecodeConfig,
+    moe_decode_down,
+    moe_decode_down_sum,
+    moe_decode_gate_up,
+    pick_moe_decode_config,
+)
 
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 
@@ -530,7 +536,7 @@ def fused_moe_triton(
     top-k reduce (+ shared_out, added in float32 before the one rounding). A GEMM split over K
     (config.split_k) reduces its splits in its own launch. Decode shapes (a few rows per expert:
     `pick_moe_decode_config`, or a MoeDecodeConfig given) run moe_decode's GEMVs instead: GEMM1,
-    GEMM2, top-k reduce.
+    GEMM2 and top-k reduce, or GEMM2 with the top-k sum in one launch (MoeDecodeConfig.fuse_sum).
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if shared_out is not None:
@@ -549,7 +555,10 @@ def fused_moe_triton(
     cfg = config or pick_moe_decode_config(p, e, fp8) or pick_moe_config(p, e, fp8)
     if isinstance(cfg, MoeDecodeConfig):
         x = x if x.stride(-1) == 1 else x.contiguous()
-        y = moe_decode_experts(x, w13, w2, topk_ids, w13_scale, w2_scale, x_act if fp8 else None, cfg)
+        h = moe_decode_gate_up(x, w13, topk_ids, w13_scale, x_act if fp8 else None, cfg)
+        if cfg.fuse_sum:
+            return moe_decode_down_sum(h, w2, topk_weights, topk_ids, w2_scale, shared_out, out, cfg)
+        y = moe_decode_down(h, w2, topk_ids, w2_scale, cfg)
         return _reduce_top_k(y, topk_weights, topk_ids, e, out, shared_out)
     if fp8:
         assert cfg.block_k == cfg.block_n1 == BLOCK, f"FP8 MoE needs 128-wide K and GEMM1 tiles: {cfg}"

@@ -37,16 +37,21 @@ class MoeDecodeConfig:
     rows: int = 2  # an expert's rows taken per pass over its weight slice (power of two)
     num_warps: int = 4
     num_stages: int = 2
+    fuse_sum: bool = False  # GEMM2 per token: all top_k experts' slices and the weighted sum in one launch
 
 
 def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDecodeConfig | None:
     """The decode kernel's tiles, or None where the grouped GEMMs of `moe.py` should run: more than
     MAX_PAIRS pairs, or more than 4 rows per expert on average (a weight slice is then re-read for
-    every `rows` rows, and tensor cores pay off). Off when MLAC_MOE_DECODE_KERNEL=0."""
+    every `rows` rows, and tensor cores pay off). Off when MLAC_MOE_DECODE_KERNEL=0. With about
+    one row per expert GEMM2 runs per token and sums the top-k (`fuse_sum`): one launch fewer, and
+    an expert shared by several tokens is re-read (from L2: the tokens' programs of one N block
+    run together)."""
     if not ENABLED or num_pairs > MAX_PAIRS or num_pairs > 4 * num_experts:
         return None
-    rows = 2 if num_pairs <= num_experts else 4
-    return MoeDecodeConfig(32, 32, 128, rows, num_warps=4)
+    if num_pairs <= num_experts:  # about one row per expert: GEMM2 per token, summed in its launch
+        return MoeDecodeConfig(32, 16, 128, 2, num_warps=8, fuse_sum=True)
+    return MoeDecodeConfig(32, 32, 128, 4, num_warps=4)
 
 
 @jit
@@ -169,6 +174,72 @@ def _moe_decode_kernel(
         tl.store(c_ptrs, cast_out(h, c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@jit(dynamic=("T",))
+def _moe_decode_down_sum_kernel(
+    h_ptr,
+    b_ptr,
+    bs_ptr,
+    ids_ptr,
+    tw_ptr,
+    out_ptr,
+    shared_ptr,
+    T,
+    N,
+    K,
+    E,
+    stride_hm,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_bsn,
+    stride_out,
+    stride_shared,
+    TOP_K: tl.constexpr,
+    KPAD: tl.constexpr,  # TOP_K rounded up to a power of two
+    A_MODE: tl.constexpr,  # 0 h as stored; 2 quantize h here (FP8 weights)
+    FP8_W: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+):
+    # out[t, n] = sum_j tw[t, j] * round(w2_{ids[t, j]} row n . h[t * TOP_K + j]) (+ shared[t, n]),
+    # in float32 over the pairs whose expert is in [0, E), rounded once; one program per (t, N block)
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = offs_n < N
+    offs_j = tl.arange(0, KPAD)
+    pair = t * TOP_K + offs_j  # [KPAD]
+    expert = tl.load(ids_ptr + pair, mask=offs_j < TOP_K, other=-1)
+    ok = (offs_j < TOP_K) & (expert >= 0) & (expert < E)  # [KPAD]
+    e64 = tl.where(ok, expert, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = e64[:, None] * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn  # [KPAD, BN]
+    b_ptrs = b_ptr + rows[:, :, None] + offs_k[None, None, :]  # [KPAD, BN, BK]
+    bs_ptrs = bs_ptr + e64[:, None] * stride_bse + (offs_n // 128)[None, :] * stride_bsn  # [KPAD, BN]
+    jn_ok = ok[:, None] & n_ok[None, :]
+    acc = tl.zeros((KPAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        kb = k0 // BLOCK_K
+        a = _load_a(h_ptr, h_ptr, pair, ok, k, k_ok, kb, stride_hm, 0, A_MODE, FP8_MAX_C)  # [KPAD, BK]
+        b = tl.load(b_ptrs + k0, mask=jn_ok[:, :, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
+        part = tl.sum(a[:, None, :] * b, axis=2)  # [KPAD, BN]
+        if FP8_W:
+            part = part * tl.load(bs_ptrs + kb, mask=jn_ok, other=0.0)
+        acc += part
+    if out_ptr.dtype.element_ty == tl.bfloat16:  # each expert's output rounded as the reference's
+        y = round_bf16(acc)
+    else:
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tw = tl.load(tw_ptr + pair, mask=ok, other=0.0).to(tl.float32)  # [KPAD]
+    total = tl.sum(tl.where(jn_ok, y * tw[:, None], 0.0), axis=0)  # [BN]
+    if HAS_SHARED:
+        total += tl.load(shared_ptr + t * stride_shared + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + offs_n, cast_out(total, out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def _launch(a, a_s, w, w_s, c, ids, p, a_row_div, gated, a_mode, cfg: MoeDecodeConfig, block_n, round_bf16):
     """One decode GEMV launch: c [P, N] (N = w rows, halved when gated) from a and expert weights w."""
     e, rows, k = w.shape
@@ -186,43 +257,95 @@ def _launch(a, a_s, w, w_s, c, ids, p, a_row_div, gated, a_mode, cfg: MoeDecodeC
     )  # fmt: skip
 
 
-def moe_decode_experts(
+def moe_decode_gate_up(
     x: torch.Tensor,
     w13: torch.Tensor,
-    w2: torch.Tensor,
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
     x_act: Fp8Act | None,
     cfg: MoeDecodeConfig,
 ) -> torch.Tensor:
-    """Each pair's expert output: y [T * top_k, D] in x's dtype, y[t * top_k + j] = expert_{ids[t, j]}(x[t])
-    with fused_moe_ref's roundings (gate, up, silu(gate), h and y in x's dtype; with FP8 weights x
-    and h quantized per token per 128 channels). Rows of pairs whose expert is outside [0, E) are
-    not written. Two launches (GEMM1 + SiLU*up, GEMM2); arguments checked by `fused_moe_triton`;
-    topk_ids contiguous, at most MAX_PAIRS pairs."""
+    """GEMM1: h [T * top_k, I] in x's dtype, h[t * top_k + j] = silu(gate) * up of expert ids[t, j]
+    on x[t], with fused_moe_ref's roundings (with FP8 weights x is quantized per token per 128
+    channels, here or by its producer: x_act). Rows of pairs whose expert is outside [0, E) are not
+    written. Arguments checked by `fused_moe_triton`; topk_ids contiguous, at most MAX_PAIRS pairs."""
     t, d = x.shape
-    e, two_i, _ = w13.shape
     p = topk_ids.numel()
-    assert 0 < p <= MAX_PAIRS and topk_ids.is_contiguous(), (p, MAX_PAIRS)
-    assert cfg.rows & (cfg.rows - 1) == 0, f"rows must be a power of two: {cfg}"
-    fp8 = w13_scale is not None
-    if fp8:
-        assert cfg.block_k == BLOCK, f"FP8 decode MoE needs 128-wide K blocks: {cfg}"
-    round_bf16 = x.dtype == torch.bfloat16
-    h = torch.empty(p, two_i // 2, dtype=x.dtype, device=x.device)
-    if fp8 and x_act is not None:
+    _check_decode(p, topk_ids, cfg, w13_scale is not None)
+    h = torch.empty(p, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    if w13_scale is not None and x_act is not None:
         a, a_s, a_mode = x_act.q, x_act.scale, 1
         assert a.shape == x.shape and a.dtype == FP8 and a.stride(-1) == 1, (a.shape, a.dtype)
         assert a_s.shape == (t, triton.cdiv(d, BLOCK)) and a_s.dtype == torch.float32, a_s.shape
     else:
-        a, a_s, a_mode = x, None, 2 if fp8 else 0
+        a, a_s, a_mode = x, None, 2 if w13_scale is not None else 0
+    round_bf16 = x.dtype == torch.bfloat16
     _launch(
         a, a_s, w13, w13_scale, h, topk_ids, p, topk_ids.shape[1], True, a_mode, cfg, cfg.block_n1, round_bf16
     )
-    y = torch.empty(p, d, dtype=x.dtype, device=x.device)
-    _launch(h, None, w2, w2_scale, y, topk_ids, p, 1, False, 2 if fp8 else 0, cfg, cfg.block_n2, round_bf16)
+    return h
+
+
+def moe_decode_down(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    cfg: MoeDecodeConfig,
+) -> torch.Tensor:
+    """GEMM2 per expert: y [T * top_k, D] in h's dtype, y[p] = expert_{ids[p]}'s w2 on h[p] (h
+    quantized per 128 channels with FP8 weights), for the top-k reduce of moe.py. Rows of pairs
+    whose expert is outside [0, E) are not written."""
+    p = topk_ids.numel()
+    _check_decode(p, topk_ids, cfg, w2_scale is not None)
+    y = torch.empty(p, w2.shape[1], dtype=h.dtype, device=h.device)
+    mode = 2 if w2_scale is not None else 0
+    _launch(h, None, w2, w2_scale, y, topk_ids, p, 1, False, mode, cfg, cfg.block_n2, True)
     return y
 
 
-__all__ = ["MAX_PAIRS", "MoeDecodeConfig", "moe_decode_experts", "pick_moe_decode_config"]
+def moe_decode_down_sum(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    shared_out: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: MoeDecodeConfig,
+) -> torch.Tensor:
+    """GEMM2 per token with the top-k sum: out [T, D] = sum_j topk_weights[t, j] * y[t * top_k + j]
+    over the pairs whose expert is in [0, E) (y rounded to out's dtype as in fused_moe_ref), plus
+    shared_out, summed in float32 and rounded once. Deterministic. Returns out."""
+    t, d = out.shape
+    e, _, i = w2.shape
+    top_k = topk_ids.shape[1]
+    fp8 = w2_scale is not None
+    _check_decode(topk_ids.numel(), topk_ids, cfg, fp8)
+    w_s = w2 if w2_scale is None else w2_scale  # unused without FP8 weights
+    shared = out if shared_out is None else shared_out  # unused without shared_out
+    _moe_decode_down_sum_kernel[(t, triton.cdiv(d, cfg.block_n2))](
+        h, w2, w_s, topk_ids, topk_weights.contiguous(), out, shared,
+        t, d, i, e,
+        h.stride(0), w2.stride(0), w2.stride(1), w_s.stride(0), w_s.stride(1), out.stride(0), shared.stride(0),
+        TOP_K=top_k, KPAD=triton.next_power_of_2(top_k), A_MODE=2 if fp8 else 0, FP8_W=fp8,
+        HAS_SHARED=shared_out is not None, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, FP8_MAX_C=FP8_MAX,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _check_decode(p: int, topk_ids: torch.Tensor, cfg: MoeDecodeConfig, fp8: bool) -> None:
+    assert 0 < p <= MAX_PAIRS and topk_ids.is_contiguous(), (p, MAX_PAIRS)
+    assert cfg.rows & (cfg.rows - 1) == 0, f"rows must be a power of two: {cfg}"
+    assert not fp8 or cfg.block_k == BLOCK, f"FP8 decode MoE needs 128-wide K blocks: {cfg}"
+
+
+__all__ = [
+    "MAX_PAIRS",
+    "MoeDecodeConfig",
+    "moe_decode_down",
+    "moe_decode_down_sum",
+    "moe_decode_gate_up",
+    "pick_moe_decode_config",
+]
