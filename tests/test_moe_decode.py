@@ -98,16 +98,19 @@ def test_decode_matches_reference(t, e, top_k, d, i, n_invalid, fp8, monkeypatch
 
 
 @needs_triton
-@pytest.mark.parametrize("rows,block_n,fuse_sum", [(1, 16, False), (4, 64, False), (2, 32, True)])
-def test_decode_configs(rows, block_n, fuse_sum, monkeypatch):
-    """Other tiles: one row per pass (an expert's 5 rows take 5 passes), 4 rows, wider N blocks;
-    GEMM2 per token with the top-k sum where experts are shared by several tokens."""
+@pytest.mark.parametrize(
+    "rows,block_n,block_k,fuse_sum", [(1, 16, 128, False), (4, 64, 512, False), (2, 32, 256, True)]
+)
+def test_decode_configs(rows, block_n, block_k, fuse_sum, monkeypatch):
+    """Other tiles: one row per pass (an expert's 5 rows take 5 passes), 4 rows, wider N blocks,
+    K steps past K (512 > 256 and 160: masked 128-blocks); GEMM2 per token with the top-k sum
+    where experts are shared by several tokens."""
     _no_grouped_path(monkeypatch)
     t, e, top_k, d, i = 5, 3, 2, 256, 160
     w13, w2, s13, s2 = _experts(e, d, i, True, seed=rows)
     weights, ids = _routing(t, e, top_k, seed=rows + 1)
     x = _x(t, d, seed=rows + 2)
-    cfg = dec_mod.MoeDecodeConfig(block_n, block_n, 128, rows, num_warps=2, fuse_sum=fuse_sum)
+    cfg = dec_mod.MoeDecodeConfig(block_n, block_n, block_k, rows, num_warps=2, fuse_sum=fuse_sum)
     ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
     _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2, cfg), ref)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mlac.fp8 import BLOCK, FP8, FP8_MAX
-from mlac.kernels.fp8_quant import Fp8Act, cast_out, jit, quant_groups, round_bf16, tl, triton
+from mlac.kernels.fp8_quant import Fp8Act, cast_out, jit, round_bf16, round_e4m3, tl, triton
 
 MAX_PAIRS = 256  # token-expert pairs a decode launch takes (PAIRS constexpr: 16..256, powers of two)
 # A/B switch, read once: MLAC_MOE_DECODE_KERNEL=0 sends decode shapes to the grouped GEMMs of moe.py.
@@ -29,11 +29,11 @@ ENABLED = os.environ.get("MLAC_MOE_DECODE_KERNEL", "1") != "0"
 
 @dataclass(frozen=True)
 class MoeDecodeConfig:
-    """Tiles of the decode GEMVs. With FP8 weights block_k must be 128 (one scale block)."""
+    """Tiles of the decode GEMVs."""
 
     block_n1: int = 32  # GEMM1 columns of each half (gate, up) per program
     block_n2: int = 32  # GEMM2 output columns per program
-    block_k: int = 128
+    block_k: int = 256  # K columns per step: 128 * 2^n (more bytes in flight per program)
     rows: int = 2  # an expert's rows taken per pass over its weight slice (power of two)
     num_warps: int = 4
     num_stages: int = 2
@@ -50,8 +50,8 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     if not ENABLED or num_pairs > MAX_PAIRS or num_pairs > 4 * num_experts:
         return None
     if num_pairs <= num_experts:  # about one row per expert: GEMM2 per token, summed in its launch
-        return MoeDecodeConfig(32, 16, 128, 2, num_warps=8, fuse_sum=True)
-    return MoeDecodeConfig(32, 32, 128, 4, num_warps=4)
+        return MoeDecodeConfig(32, 16, 256, 2, num_warps=8, fuse_sum=True)
+    return MoeDecodeConfig(32, 32, 256, 4, num_warps=4)
 
 
 @jit
@@ -70,30 +70,49 @@ def _expert_rows(ids_ptr, pair0, P, E, PAIRS: tl.constexpr):
 
 
 @jit
-def _load_a(a_ptr, as_ptr, a_row, row_ok, k, k_ok, kb, stride_am, stride_asm,
+def _k_step(k0, K, SUB: tl.constexpr):
+    """Columns of one K step: (k [SUB, 128], k_ok [SUB, 128], kb [SUB] their 128-blocks, kb_ok [SUB])."""
+    kb = k0 // 128 + tl.arange(0, SUB)  # [SUB]
+    k = kb[:, None] * 128 + tl.arange(0, 128)[None, :]  # [SUB, 128]
+    return k, k < K, kb, kb * 128 < K
+
+
+@jit
+def _load_a(a_ptr, as_ptr, a_row, row_ok, k, k_ok, kb, kb_ok, stride_am, stride_asm,
             A_MODE: tl.constexpr, FP8_MAX_C: tl.constexpr):  # fmt: skip
-    """[ROWS, BK] activations at columns k, as float32: A_MODE 0 as stored; 1 e4m3 times its scale
-    (as_ptr [rows, ceil(K/128)]); 2 quantized here per 128 columns (quantize_act_ref's bits)."""
-    mask = row_ok[:, None] & k_ok[None, :]
-    a = tl.load(a_ptr + a_row[:, None] * stride_am + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    """[R, SUB, 128] activations of rows a_row [R] at columns k [SUB, 128], as float32: A_MODE 0 as
+    stored; 1 e4m3 times its scale (as_ptr [rows, ceil(K/128)]); 2 quantized here per 128 columns
+    with quantize_act_ref's arithmetic (IEEE division, ties-to-even e4m3)."""
+    mask = row_ok[:, None, None] & k_ok[None, :, :]
+    a = tl.load(a_ptr + a_row[:, None, None] * stride_am + k[None, :, :], mask=mask, other=0.0).to(tl.float32)
     if A_MODE == 1:
-        a_s = tl.load(as_ptr + a_row * stride_asm + kb, mask=row_ok, other=0.0)  # [ROWS]
-        a = a * a_s[:, None]
+        s_mask = row_ok[:, None] & kb_ok[None, :]
+        a_s = tl.load(as_ptr + a_row[:, None] * stride_asm + kb[None, :], mask=s_mask, other=0.0)  # [R, SUB]
+        a = a * a_s[:, :, None]
     elif A_MODE == 2:
-        q, a_s = quant_groups(a, FP8_MAX_C)
-        a = q * a_s[:, None]
+        a_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=2), 1e-12), FP8_MAX_C)  # [R, SUB]
+        q = round_e4m3(tl.clamp(tl.math.div_rn(a, a_s[:, :, None]), -FP8_MAX_C, FP8_MAX_C))
+        a = q * a_s[:, :, None]
     return a
 
 
 @jit
-def _slice_dot(a, b_ptrs, bs_ptrs, n_ok, k_ok, kb, FP8_W: tl.constexpr):
-    """sum_k a[r, k] * dequant(b)[n, k] over one K block: a [ROWS, BK] float32, b_ptrs [BN, BK]
-    (bs_ptrs [BN]: the rows' scale rows, FP8_W) -> [ROWS, BN] float32."""
-    b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BN, BK]
-    part = tl.sum(a[:, None, :] * b[None, :, :], axis=2)  # [ROWS, BN]
+def _load_scales(ptrs, mask, FP8_W: tl.constexpr):
+    """The weight's block scales at ptrs (FP8_W), else 1.0 (unused)."""
+    scale = tl.full(mask.shape, 1.0, tl.float32)
     if FP8_W:
-        part = part * tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)[None, :]
-    return part
+        scale = tl.load(ptrs, mask=mask, other=0.0)
+    return scale
+
+
+@jit
+def _slice_dot(a, b, b_scale, FP8_W: tl.constexpr):
+    """sum_k a * dequant(b) over one K step: a [R or 1, 1 or J, SUB, 128] float32, b [1 or J, BN, SUB, 128]
+    (either may broadcast), b_scale [.., BN, SUB] (FP8_W: one per 128-block) -> [R or J, BN] float32."""
+    part = tl.sum(a * b.to(tl.float32), axis=3)  # [., BN, SUB]
+    if FP8_W:
+        part = part * b_scale
+    return tl.sum(part, axis=2)
 
 
 @jit
@@ -131,11 +150,11 @@ def _moe_decode_kernel(
     stride_cm,
     GATED: tl.constexpr,  # b rows [0, N) gate, [N, 2N) up: c = silu(gate) * up
     A_MODE: tl.constexpr,  # 0 a as stored; 1 a e4m3 + as [rows, ceil(K/128)]; 2 quantize a here
-    FP8_W: tl.constexpr,  # b e4m3 + bs [E, ceil(rows/128), ceil(K/128)] (BLOCK_K == 128)
+    FP8_W: tl.constexpr,  # b e4m3 + bs [E, ceil(rows/128), ceil(K/128)]
     ROUND_BF16: tl.constexpr,  # GATED: intermediates rounded like bf16 (else fp16)
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SUB: tl.constexpr,  # 128-column blocks per K step
     PAIRS: tl.constexpr,  # >= P, a power of two
     FP8_MAX_C: tl.constexpr,
 ):
@@ -148,12 +167,14 @@ def _moe_decode_kernel(
     offs_r = tl.arange(0, ROWS)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     e64 = expert.to(tl.int64)
-    b_rows = b_ptr + e64 * stride_be + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]  # [BN, BK]
+    # [1, BN, 1, 1] row pointers: the weight tile is loaded as [1, BN, SUB, 128], the layout its
+    # product with the activations [ROWS, 1, SUB, 128] keeps (no shuffle of the large operand)
+    b_rows = (b_ptr + e64 * stride_be + offs_n.to(tl.int64) * stride_bn)[None, :, None, None]
     u_rows = b_rows + N * stride_bn  # up rows (GATED)
-    bs_rows = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn  # [BN] (FP8_W)
-    us_rows = bs_ptr + e64 * stride_bse + ((N + offs_n) // 128) * stride_bsn
+    bs_rows = (bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn)[:, None]  # [BN, 1] (FP8_W)
+    us_rows = (bs_ptr + e64 * stride_bse + ((N + offs_n) // 128) * stride_bsn)[:, None]
+    n_ok4 = n_ok[None, :, None, None]
     for r0 in range(0, count, ROWS):
         sel = mine[None, :] & (rank[None, :] == (r0 + offs_r)[:, None])  # [ROWS, PAIRS]
         pair = tl.sum(tl.where(sel, offs_p[None, :], 0), axis=1)  # [ROWS]
@@ -161,14 +182,20 @@ def _moe_decode_kernel(
         a_row = (pair // A_ROW_DIV).to(tl.int64)
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            k_ok = k < K
-            kb = k0 // BLOCK_K
-            a = _load_a(a_ptr, as_ptr, a_row, row_ok, k, k_ok, kb, stride_am, stride_asm, A_MODE, FP8_MAX_C)
-            acc += _slice_dot(a, b_rows + k0, bs_rows, n_ok, k_ok, kb, FP8_W)
+        for k0 in range(0, K, SUB * 128):
+            k, k_ok, kb, kb_ok = _k_step(k0, K, SUB)
+            a = _load_a(
+                a_ptr, as_ptr, a_row, row_ok, k, k_ok, kb, kb_ok, stride_am, stride_asm, A_MODE, FP8_MAX_C
+            )
+            a = a[:, None, :, :]  # [ROWS, 1, SUB, 128]
+            b_mask = n_ok4 & k_ok[None, None, :, :]
+            s_mask = n_ok[:, None] & kb_ok[None, :]
+            b = tl.load(b_rows + k[None, None, :, :], mask=b_mask, other=0.0)  # [1, BN, SUB, 128]
+            b_s = _load_scales(bs_rows + kb[None, :], s_mask, FP8_W)  # [BN, SUB]
+            acc += _slice_dot(a, b, b_s, FP8_W)
             if GATED:
-                acc_u += _slice_dot(a, u_rows + k0, us_rows, n_ok, k_ok, kb, FP8_W)
+                u = tl.load(u_rows + k[None, None, :, :], mask=b_mask, other=0.0)
+                acc_u += _slice_dot(a, u, _load_scales(us_rows + kb[None, :], s_mask, FP8_W), FP8_W)
         h = _silu_mul(acc, acc_u, ROUND_BF16) if GATED else acc
         c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, cast_out(h, c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -200,7 +227,7 @@ def _moe_decode_down_sum_kernel(
     FP8_W: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SUB: tl.constexpr,  # 128-column blocks per K step
     FP8_MAX_C: tl.constexpr,
 ):
     # out[t, n] = sum_j tw[t, j] * round(w2_{ids[t, j]} row n . h[t * TOP_K + j]) (+ shared[t, n]),
@@ -213,22 +240,19 @@ def _moe_decode_down_sum_kernel(
     expert = tl.load(ids_ptr + pair, mask=offs_j < TOP_K, other=-1)
     ok = (offs_j < TOP_K) & (expert >= 0) & (expert < E)  # [KPAD]
     e64 = tl.where(ok, expert, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
     rows = e64[:, None] * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn  # [KPAD, BN]
-    b_ptrs = b_ptr + rows[:, :, None] + offs_k[None, None, :]  # [KPAD, BN, BK]
-    bs_ptrs = bs_ptr + e64[:, None] * stride_bse + (offs_n // 128)[None, :] * stride_bsn  # [KPAD, BN]
-    jn_ok = ok[:, None] & n_ok[None, :]
+    b_rows = (b_ptr + rows)[:, :, None, None]  # [KPAD, BN, 1, 1]
+    bs_rows = bs_ptr + e64[:, None, None] * stride_bse + (offs_n // 128)[None, :, None] * stride_bsn
+    jn_ok = ok[:, None] & n_ok[None, :]  # [KPAD, BN]
     acc = tl.zeros((KPAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        kb = k0 // BLOCK_K
-        a = _load_a(h_ptr, h_ptr, pair, ok, k, k_ok, kb, stride_hm, 0, A_MODE, FP8_MAX_C)  # [KPAD, BK]
-        b = tl.load(b_ptrs + k0, mask=jn_ok[:, :, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
-        part = tl.sum(a[:, None, :] * b, axis=2)  # [KPAD, BN]
-        if FP8_W:
-            part = part * tl.load(bs_ptrs + kb, mask=jn_ok, other=0.0)
-        acc += part
+    for k0 in range(0, K, SUB * 128):
+        k, k_ok, kb, kb_ok = _k_step(k0, K, SUB)
+        a = _load_a(h_ptr, h_ptr, pair, ok, k, k_ok, kb, kb_ok, stride_hm, 0, A_MODE, FP8_MAX_C)
+        b_mask = jn_ok[:, :, None, None] & k_ok[None, None, :, :]
+        b = tl.load(b_rows + k[None, None, :, :], mask=b_mask, other=0.0)  # [KPAD, BN, SUB, 128]
+        s_mask = jn_ok[:, :, None] & kb_ok[None, None, :]
+        b_s = _load_scales(bs_rows + kb[None, None, :], s_mask, FP8_W)  # [KPAD, BN, SUB]
+        acc += _slice_dot(a[:, None, :, :], b, b_s, FP8_W)
     if out_ptr.dtype.element_ty == tl.bfloat16:  # each expert's output rounded as the reference's
         y = round_bf16(acc)
     else:
@@ -252,7 +276,7 @@ def _launch(a, a_s, w, w_s, c, ids, p, a_row_div, gated, a_mode, cfg: MoeDecodeC
         p, n, k, e, a_row_div,
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1), c.stride(0),
         GATED=gated, A_MODE=a_mode, FP8_W=fp8_w, ROUND_BF16=round_bf16, ROWS=cfg.rows, BLOCK_N=block_n,
-        BLOCK_K=cfg.block_k, PAIRS=max(16, triton.next_power_of_2(p)), FP8_MAX_C=FP8_MAX,
+        SUB=cfg.block_k // BLOCK, PAIRS=max(16, triton.next_power_of_2(p)), FP8_MAX_C=FP8_MAX,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -271,7 +295,7 @@ def moe_decode_gate_up(
     written. Arguments checked by `fused_moe_triton`; topk_ids contiguous, at most MAX_PAIRS pairs."""
     t, d = x.shape
     p = topk_ids.numel()
-    _check_decode(p, topk_ids, cfg, w13_scale is not None)
+    _check_decode(p, topk_ids, cfg)
     h = torch.empty(p, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     if w13_scale is not None and x_act is not None:
         a, a_s, a_mode = x_act.q, x_act.scale, 1
@@ -297,7 +321,7 @@ def moe_decode_down(
     quantized per 128 channels with FP8 weights), for the top-k reduce of moe.py. Rows of pairs
     whose expert is outside [0, E) are not written."""
     p = topk_ids.numel()
-    _check_decode(p, topk_ids, cfg, w2_scale is not None)
+    _check_decode(p, topk_ids, cfg)
     y = torch.empty(p, w2.shape[1], dtype=h.dtype, device=h.device)
     mode = 2 if w2_scale is not None else 0
     _launch(h, None, w2, w2_scale, y, topk_ids, p, 1, False, mode, cfg, cfg.block_n2, True)
@@ -321,7 +345,7 @@ def moe_decode_down_sum(
     e, _, i = w2.shape
     top_k = topk_ids.shape[1]
     fp8 = w2_scale is not None
-    _check_decode(topk_ids.numel(), topk_ids, cfg, fp8)
+    _check_decode(topk_ids.numel(), topk_ids, cfg)
     w_s = w2 if w2_scale is None else w2_scale  # unused without FP8 weights
     shared = out if shared_out is None else shared_out  # unused without shared_out
     _moe_decode_down_sum_kernel[(t, triton.cdiv(d, cfg.block_n2))](
@@ -329,16 +353,16 @@ def moe_decode_down_sum(
         t, d, i, e,
         h.stride(0), w2.stride(0), w2.stride(1), w_s.stride(0), w_s.stride(1), out.stride(0), shared.stride(0),
         TOP_K=top_k, KPAD=triton.next_power_of_2(top_k), A_MODE=2 if fp8 else 0, FP8_W=fp8,
-        HAS_SHARED=shared_out is not None, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, FP8_MAX_C=FP8_MAX,
+        HAS_SHARED=shared_out is not None, BLOCK_N=cfg.block_n2, SUB=cfg.block_k // BLOCK, FP8_MAX_C=FP8_MAX,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
-def _check_decode(p: int, topk_ids: torch.Tensor, cfg: MoeDecodeConfig, fp8: bool) -> None:
+def _check_decode(p: int, topk_ids: torch.Tensor, cfg: MoeDecodeConfig) -> None:
     assert 0 < p <= MAX_PAIRS and topk_ids.is_contiguous(), (p, MAX_PAIRS)
     assert cfg.rows & (cfg.rows - 1) == 0, f"rows must be a power of two: {cfg}"
-    assert not fp8 or cfg.block_k == BLOCK, f"FP8 decode MoE needs 128-wide K blocks: {cfg}"
+    assert cfg.block_k % BLOCK == 0 and cfg.block_k // BLOCK in (1, 2, 4, 8), f"block_k: 128 * 2^n: {cfg}"
 
 
 __all__ = [
