@@ -98,14 +98,24 @@ def expert_bytes(w13, w2, s13, s2) -> int:
     return per
 
 
-def sweep(t: int, top_k: int, e: int, fp8: bool) -> list[MD.MoeDecodeConfig]:
-    """Decode configs to time: block_n (GEMM1, GEMM2), block_k, rows, warps."""
-    rows = [1, 2] if t * top_k <= e else [2, 4]
-    tiles = [(16, 16, 4), (32, 32, 4), (64, 64, 4), (32, 32, 8), (64, 64, 8), (16, 32, 2), (32, 64, 4)]
-    out = [MD.MoeDecodeConfig(n1, n2, 128, r, w) for r in rows for n1, n2, w in tiles]
-    if not fp8:
-        out += [MD.MoeDecodeConfig(n, n, 256, r, 4) for r in rows for n in (16, 32)]
-    return out
+def sweep(t: int, top_k: int, e: int) -> list[MD.MoeDecodeConfig]:
+    """Decode configs to time, likeliest first (the time budget may cut the list): tiles
+    (block_n1, block_n2, block_k, num_warps, fuse_sum) for each `rows` that fits the routing."""
+    p = t * top_k
+    rows = [1] if t == 1 else [1, 2] if 2 * p <= e else [2] if p <= e else [4, 2]
+    tiles = [
+        (32, 16, 256, 8, True),
+        (32, 32, 256, 4, False),
+        (32, 16, 512, 8, True),
+        (16, 16, 256, 4, True),
+        (64, 32, 256, 8, False),
+        (32, 16, 128, 4, True),
+        (32, 32, 512, 8, False),
+        (64, 8, 512, 8, True),
+        (16, 32, 128, 4, False),
+        (64, 64, 256, 8, False),
+    ]
+    return [MD.MoeDecodeConfig(n1, n2, k, r, w, fuse_sum=f) for r in rows for n1, n2, k, w, f in tiles]
 
 
 def bench_shape(name, e, top_k, h, i, fp8, t, copy, deadline, quick) -> dict:
@@ -149,7 +159,7 @@ def bench_shape(name, e, top_k, h, i, fp8, t, copy, deadline, quick) -> dict:
     res["grouped"] = row("grouped (pick_moe_config)", grouped_cfg)
     default = M.pick_moe_decode_config(p, e, fp8)
     rows = []
-    cands = ([default] if default else []) + ([] if quick else sweep(t, top_k, e, fp8))
+    cands = ([default] if default else []) + ([] if quick else sweep(t, top_k, e))
     for cfg in dict.fromkeys(cands):
         if time.monotonic() > deadline and rows:
             log(f"  {name} T={t}: time budget spent, sweep cut at {len(rows)} configs")
@@ -187,7 +197,8 @@ def paste_line(r: dict) -> str:
     c = b["config"]
     return (
         f"({r['pairs']}, {r['E']}, {r['fp8']}): MoeDecodeConfig(block_n1={c['block_n1']}, block_n2={c['block_n2']}, "
-        f"block_k={c['block_k']}, rows={c['rows']}, num_warps={c['num_warps']}, num_stages={c['num_stages']}),"
+        f"block_k={c['block_k']}, rows={c['rows']}, num_warps={c['num_warps']}, num_stages={c['num_stages']}, "
+        f"fuse_sum={c['fuse_sum']}),"
         f"  # {r['shape']} T={r['T']}: {b['us']:.1f} us, {b['frac']:.2f} of copy; grouped {r['grouped']['us']:.1f} us"
     )
 

@@ -50,7 +50,8 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     if not ENABLED or num_pairs > MAX_PAIRS or num_pairs > 4 * num_experts:
         return None
     if num_pairs <= num_experts:  # about one row per expert: GEMM2 per token, summed in its launch
-        return MoeDecodeConfig(32, 16, 256, 2, num_warps=8, fuse_sum=True)
+        rows = 1 if 2 * num_pairs <= num_experts else 2
+        return MoeDecodeConfig(32, 16, 256, rows, num_warps=8, fuse_sum=True)
     return MoeDecodeConfig(32, 32, 256, 4, num_warps=4)
 
 
