@@ -7,9 +7,15 @@ it by the few rows routed to that expert on CUDA cores, so the grid is (pairs, N
 programs to fill the SMs with no split of K, no tile padding, no `moe_align` and (FP8) no separate
 activation quantization. Results are deterministic (no atomics, fixed summation order).
 
-A program is indexed by a pair p = t * top_k + j; only the first pair of each expert (its
-"leader") works, and it takes every pair of that expert, ROWS at a time; the others return at once.
-Expert weights are read once per launch (per ROWS rows of the expert).
+GEMM1 (gate/up + SiLU*up) and GEMM2 per expert: a program is indexed by a pair p = t * top_k + j;
+only the first pair of each expert (its "leader") works, and it takes every pair of that expert,
+ROWS at a time; the others return at once. A weight slice is read once per ROWS rows of its expert.
+GEMM2 per token (`fuse_sum`, about one row per expert): a program takes one token's top_k experts
+and writes the weighted sum, so the top-k reduce launch of moe.py goes away.
+
+Launches: 2 (GEMM1, GEMM2 + sum) or 3 (GEMM1, GEMM2, moe.py's reduce), against the grouped path's
+5 ([act_quant], moe_align, GEMM1, GEMM2, reduce). Switch: MLAC_MOE_DECODE_KERNEL=0 (read at
+import) sends every shape to the grouped path, for A/B runs.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     every `rows` rows, and tensor cores pay off). Off when MLAC_MOE_DECODE_KERNEL=0. With about
     one row per expert GEMM2 runs per token and sums the top-k (`fuse_sum`): one launch fewer, and
     an expert shared by several tokens is re-read (from L2: the tokens' programs of one N block
-    run together)."""
+    run together). fp8: the same tiles today (bench_moe_decode.py sweeps both)."""
     if not ENABLED or num_pairs > MAX_PAIRS or num_pairs > 4 * num_experts:
         return None
     if num_pairs <= num_experts:  # about one row per expert: GEMM2 per token, summed in its launch
