@@ -218,3 +218,61 @@ def test_gpu_decode_v2_lite(fp8, t, monkeypatch):
     grouped = _run(x, w13, w2, weights, ids, s13, s2, moe_mod.pick_moe_config(ids.numel(), e, fp8))
     _util.assert_close(out, grouped)
     assert torch.equal(out, _run(x, w13, w2, weights, ids, s13, s2, cfg))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fuse_sum", [False, True], ids=["reduce", "fused-sum"])
+def test_gpu_decode_fp8_act_v2_lite(fuse_sum, monkeypatch):
+    """V2-Lite FP8 at batch 4 with the activation quantized by its producer, both GEMM2 forms."""
+    monkeypatch.setattr(moe_mod, "fp8_act_linear_ref", _fp8_act_linear_ref64)
+    monkeypatch.setattr(moe_mod, "fp8_linear_ref", _util.fp8_linear_ref64)
+    e, top_k, d, i, t = 64, 6, 2048, 1408, 4
+    w13, w2, s13, s2 = _experts(e, d, i, True, seed=9)
+    weights, ids = _routing(t, e, top_k, seed=10)
+    x = _x(t, d, seed=11)
+    x_act = gemm_mod.Fp8Act(*gemm_mod.quantize_act_ref(x), x.dtype)
+    cfg = dec_mod.MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=fuse_sum)
+    ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2, x_act=x_act)
+    _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2, cfg, x_act=x_act), ref)
+
+
+def _fp8_act_linear_ref64(x_act, w, w_scale, out_dtype=None):
+    """fp8_act_linear_ref with the product in float64 (exact expert products on the GPU)."""
+    from mlac.fp8 import BLOCK, expand_block_scale
+
+    k = x_act.q.shape[-1]
+    x_deq = x_act.q.double() * x_act.scale.double().repeat_interleave(BLOCK, dim=-1)[:, :k]
+    w_deq = w.double() * expand_block_scale(w_scale.double(), *w.shape)
+    return (x_deq @ w_deq.t()).to(out_dtype or x_act.dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 32])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_decode_in_cuda_graph(fp8, t):
+    """Captured in a CUDA graph (no host sync), replayed on new routings and inputs copied into the
+    captured buffers: the eager call's bits."""
+    e, top_k, d, i = 64, 6, 2048, 1408
+    w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t)
+    weights, ids = _routing(t, e, top_k, seed=t + 1)
+    x = _x(t, d, seed=t + 2)
+    assert moe_mod.pick_moe_decode_config(ids.numel(), e, fp8) is not None
+
+    def call():
+        return moe_mod.fused_moe(x, w13, w2, weights, ids, s13, s2)
+
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (3, 4):
+        new_weights, new_ids = _routing(t, e, top_k, seed=seed + 100 * t)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        x.copy_(_x(t, d, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, call())
