@@ -102,7 +102,7 @@ def sweep(t: int, top_k: int, e: int) -> list[MD.MoeDecodeConfig]:
     """Decode configs to time, likeliest first (the time budget may cut the list): tiles
     (block_n1, block_n2, block_k, num_warps, fuse_sum) for each `rows` that fits the routing."""
     p = t * top_k
-    rows = [1] if t == 1 else [1, 2] if 2 * p <= e else [2] if p <= e else [4, 2]
+    rows = [1] if t == 1 else [1, 2] if p <= e else [4, 2]
     tiles = [
         (32, 16, 256, 8, True),
         (32, 32, 256, 4, False),

@@ -81,6 +81,8 @@ CASES = [  # T, E, top_k, D, I, invalid pairs
     (1, 10, 6, 256, 200, 1),  # E not a power of two, a pair of another rank
     (2, 6, 3, 256, 128, 0),  # experts hit by both tokens
     (5, 10, 6, 200, 96, 3),  # 30 pairs over 10 experts: several rows per expert, chunked by rows
+    (9, 40, 4, 128, 96, 2),  # 36 pairs (> SMALL_PAIRS) over 40 experts: GEMM2 per token, rows=1
+    (9, 12, 4, 128, 96, 2),  # 36 pairs over 12 experts: GEMM2 per expert, rows=4
 ]
 
 

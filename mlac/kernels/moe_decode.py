@@ -28,7 +28,10 @@ import torch
 from mlac.fp8 import BLOCK, FP8, FP8_MAX
 from mlac.kernels.fp8_quant import Fp8Act, cast_out, jit, round_bf16, round_e4m3, tl, triton
 
-MAX_PAIRS = 256  # token-expert pairs a decode launch takes (PAIRS constexpr: 16..256, powers of two)
+MAX_PAIRS = 256  # token-expert pairs a decode launch takes
+# The PAIRS constexpr (ids each program scans) takes two values, so that the variants a server
+# compiles stay few (`Engine.warmup` meets both): one warp's worth at batch 1-5, else MAX_PAIRS.
+SMALL_PAIRS = 32
 # A/B switch, read once: MLAC_MOE_DECODE_KERNEL=0 sends decode shapes to the grouped GEMMs of moe.py.
 ENABLED = os.environ.get("MLAC_MOE_DECODE_KERNEL", "1") != "0"
 
@@ -56,24 +59,32 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     if not ENABLED or num_pairs > MAX_PAIRS or num_pairs > 4 * num_experts:
         return None
     if num_pairs <= num_experts:  # about one row per expert: GEMM2 per token, summed in its launch
-        rows = 1 if 2 * num_pairs <= num_experts else 2
-        return MoeDecodeConfig(32, 16, 256, rows, num_warps=8, fuse_sum=True)
-    return MoeDecodeConfig(32, 32, 256, 4, num_warps=4)
+        return MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=True)
+    return MoeDecodeConfig(32, 32, 256, 4, num_warps=8)
 
 
 @jit
-def _expert_rows(ids_ptr, pair0, P, E, PAIRS: tl.constexpr):
-    """The pairs of pair0's expert: (expert, [PAIRS] mask of its pairs, [PAIRS] rank of each among
-    them, count). count is 0 where pair0 is not its expert's first pair or its expert is not in [0, E)."""
+def _expert_of(ids_ptr, pair0, P, E, PAIRS: tl.constexpr):
+    """(pair0's expert, how many pairs it has): the count is 0 where pair0 is not its expert's first
+    pair or the expert is not in [0, E)."""
     offs = tl.arange(0, PAIRS)
     ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)  # [PAIRS]
     expert = tl.load(ids_ptr + pair0)
     mine = (ids == expert) & (expert >= 0) & (expert < E)  # [PAIRS]
     earlier = tl.sum((mine & (offs < pair0)).to(tl.int32), axis=0)
-    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1  # [PAIRS]
     count = tl.sum(mine.to(tl.int32), axis=0)
-    count = tl.where(earlier == 0, count, 0)
-    return expert, mine, rank, count
+    return expert, tl.where(earlier == 0, count, 0)
+
+
+@jit
+def _pairs_of(ids_ptr, expert, P, r0, ROWS: tl.constexpr, PAIRS: tl.constexpr):
+    """[ROWS] pairs of `expert` ranked r0 .. r0 + ROWS - 1 in pair order (0 past its last pair).
+    Recomputed per chunk of rows so that no [PAIRS] vector stays live across the K loop."""
+    offs = tl.arange(0, PAIRS)
+    mine = tl.load(ids_ptr + offs, mask=offs < P, other=-1) == expert  # [PAIRS]
+    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1  # [PAIRS]
+    sel = mine[None, :] & (rank[None, :] == (r0 + tl.arange(0, ROWS))[:, None])  # [ROWS, PAIRS]
+    return tl.sum(tl.where(sel, offs[None, :], 0), axis=1)
 
 
 @jit
@@ -162,15 +173,14 @@ def _moe_decode_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUB: tl.constexpr,  # 128-column blocks per K step
-    PAIRS: tl.constexpr,  # >= P, a power of two
+    PAIRS: tl.constexpr,  # >= P: SMALL_PAIRS or MAX_PAIRS
     FP8_MAX_C: tl.constexpr,
 ):
     # c[p, n] = expert_{ids[p]} row n . a[p // A_ROW_DIV] for every pair p of this program's expert
     pair0 = tl.program_id(0)
-    expert, mine, rank, count = _expert_rows(ids_ptr, pair0, P, E, PAIRS)
+    expert, count = _expert_of(ids_ptr, pair0, P, E, PAIRS)
     if count == 0:
         return
-    offs_p = tl.arange(0, PAIRS)
     offs_r = tl.arange(0, ROWS)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = offs_n < N
@@ -183,8 +193,7 @@ def _moe_decode_kernel(
     us_rows = (bs_ptr + e64 * stride_bse + ((N + offs_n) // 128) * stride_bsn)[:, None]
     n_ok4 = n_ok[None, :, None, None]
     for r0 in range(0, count, ROWS):
-        sel = mine[None, :] & (rank[None, :] == (r0 + offs_r)[:, None])  # [ROWS, PAIRS]
-        pair = tl.sum(tl.where(sel, offs_p[None, :], 0), axis=1)  # [ROWS]
+        pair = _pairs_of(ids_ptr, expert, P, r0, ROWS, PAIRS)  # [ROWS]
         row_ok = r0 + offs_r < count
         a_row = (pair // A_ROW_DIV).to(tl.int64)
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
@@ -283,7 +292,7 @@ def _launch(a, a_s, w, w_s, c, ids, p, a_row_div, gated, a_mode, cfg: MoeDecodeC
         p, n, k, e, a_row_div,
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1), c.stride(0),
         GATED=gated, A_MODE=a_mode, FP8_W=fp8_w, ROUND_BF16=round_bf16, ROWS=cfg.rows, BLOCK_N=block_n,
-        SUB=cfg.block_k // BLOCK, PAIRS=max(16, triton.next_power_of_2(p)), FP8_MAX_C=FP8_MAX,
+        SUB=cfg.block_k // BLOCK, PAIRS=SMALL_PAIRS if p <= SMALL_PAIRS else MAX_PAIRS, FP8_MAX_C=FP8_MAX,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
