@@ -99,9 +99,19 @@ def expert_bytes(w13, w2, s13, s2) -> int:
 
 
 def sweep(t: int, top_k: int, e: int) -> list[MD.MoeDecodeConfig]:
-    """Decode configs to time, likeliest first (the time budget may cut the list): tiles
+    """Decode configs to time, likeliest first (the time budget may cut the list): tensor-core
+    tiles (block_n1, block_n2, block_k, num_warps, num_stages, fuse_sum), then CUDA-core tiles
     (block_n1, block_n2, block_k, num_warps, fuse_sum) for each `rows` that fits the routing."""
     p = t * top_k
+    dot = [
+        (64, 64, 128, 4, 4, False),
+        (64, 16, 256, 4, 4, True),
+        (32, 32, 128, 4, 4, False),
+        (64, 32, 128, 4, 3, False),
+        (128, 64, 128, 8, 4, False),
+        (64, 16, 128, 4, 4, True),
+    ]
+    out = [MD.MoeDecodeConfig(n1, n2, k, 1, w, s, fuse_sum=f, dot=True) for n1, n2, k, w, s, f in dot]
     rows = [1] if t == 1 else [1, 2] if p <= e else [4, 2]
     tiles = [
         (32, 16, 256, 8, True),
@@ -109,13 +119,10 @@ def sweep(t: int, top_k: int, e: int) -> list[MD.MoeDecodeConfig]:
         (32, 16, 512, 8, True),
         (16, 16, 256, 4, True),
         (64, 32, 256, 8, False),
-        (32, 16, 128, 4, True),
-        (32, 32, 512, 8, False),
-        (64, 8, 512, 8, True),
-        (16, 32, 128, 4, False),
-        (64, 64, 256, 8, False),
+        (16, 32, 512, 4, False),
     ]
-    return [MD.MoeDecodeConfig(n1, n2, k, r, w, fuse_sum=f) for r in rows for n1, n2, k, w, f in tiles]
+    out += [MD.MoeDecodeConfig(n1, n2, k, r, w, fuse_sum=f) for r in rows for n1, n2, k, w, f in tiles]
+    return out
 
 
 def bench_shape(name, e, top_k, h, i, fp8, t, copy, deadline, quick) -> dict:
@@ -198,7 +205,7 @@ def paste_line(r: dict) -> str:
     return (
         f"({r['pairs']}, {r['E']}, {r['fp8']}): MoeDecodeConfig(block_n1={c['block_n1']}, block_n2={c['block_n2']}, "
         f"block_k={c['block_k']}, rows={c['rows']}, num_warps={c['num_warps']}, num_stages={c['num_stages']}, "
-        f"fuse_sum={c['fuse_sum']}),"
+        f"fuse_sum={c['fuse_sum']}, dot={c['dot']}),"
         f"  # {r['shape']} T={r['T']}: {b['us']:.1f} us, {b['frac']:.2f} of copy; grouped {r['grouped']['us']:.1f} us"
     )
 

@@ -118,6 +118,29 @@ def test_decode_configs(rows, block_n, block_k, fuse_sum, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "t,e,top_k,fuse_sum",
+    [(2, 10, 3, True), (5, 10, 6, False), (20, 3, 2, False)],
+    ids=["fused", "few", "chunked"],
+)
+def test_decode_tensor_cores(t, e, top_k, fuse_sum, fp8, monkeypatch):
+    """The tensor-core form (dot: 16 rows a pass; 20 tokens over 3 experts take two passes)."""
+    _no_grouped_path(monkeypatch)
+    d, i = 200, 160
+    w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t + e)
+    weights, ids = _routing(t, e, top_k, seed=t + 1, n_invalid=1)
+    x = _x(t, d, seed=t + 2)
+    cfg = dec_mod.MoeDecodeConfig(32, 16, 128, 1, num_warps=4, fuse_sum=fuse_sum, dot=True)
+    ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
+    _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2, cfg), ref)
+    if fp8:  # Fp8Act input
+        x_act = gemm_mod.Fp8Act(*gemm_mod.quantize_act_ref(x), x.dtype)
+        ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2, x_act=x_act)
+        _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2, cfg, x_act=x_act), ref)
+
+
+@needs_triton
 @pytest.mark.parametrize("t", [1, 5])
 def test_decode_fp8_act_input(t, monkeypatch):
     """x already quantized by its producer (Fp8Act): GEMM1 reads q and scale, not x."""
@@ -165,7 +188,7 @@ def test_decode_no_local_expert_gives_shared_out(monkeypatch):
 def test_pick_decode_config_bounds(monkeypatch):
     """Decode shapes only: <= MAX_PAIRS pairs and <= 4 rows per expert; the switch turns it off."""
     assert dec_mod.pick_moe_decode_config(6, 64, fp8=True).fuse_sum  # V2-Lite batch 1
-    assert dec_mod.pick_moe_decode_config(192, 64, fp8=False).rows == 4  # batch 32: 3 rows per expert
+    assert dec_mod.pick_moe_decode_config(192, 64, fp8=False).dot  # batch 32: 3 rows per expert
     assert dec_mod.pick_moe_decode_config(300, 256, fp8=True) is None  # too many pairs
     assert dec_mod.pick_moe_decode_config(64 * 6, 64, fp8=True) is None  # prefill-like rows per expert
     assert dec_mod.pick_moe_decode_config(40, 8, fp8=True) is None

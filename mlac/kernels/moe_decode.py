@@ -26,7 +26,17 @@ from dataclasses import dataclass
 import torch
 
 from mlac.fp8 import BLOCK, FP8, FP8_MAX
-from mlac.kernels.fp8_quant import Fp8Act, cast_out, jit, round_bf16, round_e4m3, tl, triton
+from mlac.kernels.fp8_quant import (
+    Fp8Act,
+    cast_out,
+    interpreting,
+    jit,
+    quant_groups,
+    round_bf16,
+    round_e4m3,
+    tl,
+    triton,
+)
 
 MAX_PAIRS = 256  # token-expert pairs a decode launch takes
 # The PAIRS constexpr (ids each program scans) takes two values, so that the variants a server
@@ -47,6 +57,9 @@ class MoeDecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     fuse_sum: bool = False  # GEMM2 per token: all top_k experts' slices and the weighted sum in one launch
+    # per-expert GEMMs on tensor cores (W tile @ rows.T, 16 rows a pass, K steps of 128 with FP8
+    # weights, else block_k); `rows` and (FP8) block_k then apply to the CUDA-core fused sum only
+    dot: bool = False
 
 
 def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDecodeConfig | None:
@@ -55,12 +68,17 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     every `rows` rows, and tensor cores pay off). Off when MLAC_MOE_DECODE_KERNEL=0. With about
     one row per expert GEMM2 runs per token and sums the top-k (`fuse_sum`): one launch fewer, and
     an expert shared by several tokens is re-read (from L2: the tokens' programs of one N block
-    run together). fp8: the same tiles today (bench_moe_decode.py sweeps both)."""
+    run together). Defaults by rule, from the skinny-GEMM measurements of kernels/gemv.py on an
+    H200 (tensor cores win with FP8 weights and with several rows, CUDA cores with one bf16 row);
+    benchmarks/bench_moe_decode.py measures these shapes and sweeps the alternatives."""
     if not ENABLED or num_pairs > MAX_PAIRS or num_pairs > 4 * num_experts:
         return None
-    if num_pairs <= num_experts:  # about one row per expert: GEMM2 per token, summed in its launch
-        return MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=True)
-    return MoeDecodeConfig(32, 32, 256, 4, num_warps=8)
+    if num_pairs > num_experts:  # several rows per expert: tensor cores, GEMM2 per expert
+        return MoeDecodeConfig(64, 64, 128, 1, num_warps=4, num_stages=4, dot=True)
+    # about one row per expert: GEMM2 per token on CUDA cores, summed in its launch
+    if fp8:  # GEMM1 on tensor cores (e4m3 MMA, pipelined loads: CUDA cores spend ALU on conversions)
+        return MoeDecodeConfig(64, 16, 256, 1, num_warps=4, num_stages=4, fuse_sum=True, dot=True)
+    return MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=True)
 
 
 @jit
@@ -217,6 +235,105 @@ def _moe_decode_kernel(
         tl.store(c_ptrs, cast_out(h, c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@jit
+def _dot_rows(a_ptr, as_ptr, a_row, row_ok, k, k_ok, kb, stride_am, stride_asm,
+              A_MODE: tl.constexpr, FP8_MAX_C: tl.constexpr):  # fmt: skip
+    """The dot operand of 16 rows at columns k [128]: (rows [16, BK] as stored (A_MODE 0) or e4m3
+    (1: loaded, 2: quantized here as quantize_act_ref does), their scales [16] (1.0 for A_MODE 0))."""
+    mask = row_ok[:, None] & k_ok[None, :]
+    a = tl.load(a_ptr + a_row[:, None] * stride_am + k[None, :], mask=mask, other=0.0)
+    a_s = tl.full(row_ok.shape, 1.0, tl.float32)
+    if A_MODE == 1:
+        a_s = tl.load(as_ptr + a_row * stride_asm + kb, mask=row_ok, other=0.0)
+    elif A_MODE == 2:
+        q, a_s = quant_groups(a.to(tl.float32), FP8_MAX_C)
+        a = q.to(tl.float8e4nv)
+    return a, a_s
+
+
+@jit
+def _dot_part(b, a, a_s, bs_ptrs, n_ok, FP8_W: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Tensor cores: b [BN, BK] @ a.T [BK, 16] -> [BN, 16] float32, dequantized by the weight's
+    row scales (bs_ptrs [BN]) and the rows' scales a_s [16] when FP8_W."""
+    if UPCAST_DOT:  # interpreter only (see fp8_quant.interpreting)
+        b = b.to(tl.float32)
+        a = a.to(tl.float32)
+    part = tl.dot(b, tl.trans(a))
+    if FP8_W:
+        part = part * (tl.load(bs_ptrs, mask=n_ok, other=0.0)[:, None] * a_s[None, :])
+    return part
+
+
+@jit(dynamic=("P",))
+def _moe_decode_dot_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    ids_ptr,
+    P,
+    N,
+    K,
+    E,
+    A_ROW_DIV,
+    stride_am,
+    stride_asm,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_bsn,
+    stride_cm,
+    GATED: tl.constexpr,
+    A_MODE: tl.constexpr,
+    FP8_W: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # 128 with FP8 weights (one scale per step)
+    PAIRS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+):
+    # _moe_decode_kernel's contract on tensor cores, "swap AB": the weight tile [BN, BK] is the
+    # MMA's M side and the expert's rows (16 a pass, padded) its N side; loads that feed tl.dot are
+    # pipelined by Triton (num_stages tiles in flight), which the CUDA-core loop's are not.
+    pair0 = tl.program_id(0)
+    expert, count = _expert_of(ids_ptr, pair0, P, E, PAIRS)
+    if count == 0:
+        return
+    offs_r = tl.arange(0, 16)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    e64 = expert.to(tl.int64)
+    b_rows = b_ptr + e64 * stride_be + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]  # [BN, BK]
+    u_rows = b_rows + N * stride_bn  # up rows (GATED)
+    bs_rows = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn  # [BN] (FP8_W)
+    us_rows = bs_ptr + e64 * stride_bse + ((N + offs_n) // 128) * stride_bsn
+    for r0 in range(0, count, 16):
+        pair = _pairs_of(ids_ptr, expert, P, r0, 16, PAIRS)  # [16]
+        row_ok = r0 + offs_r < count
+        a_row = (pair // A_ROW_DIV).to(tl.int64)
+        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)  # c.T tile
+        acc_u = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            kb = k0 // 128
+            a, a_s = _dot_rows(
+                a_ptr, as_ptr, a_row, row_ok, k, k_ok, kb, stride_am, stride_asm, A_MODE, FP8_MAX_C
+            )
+            b_mask = n_ok[:, None] & k_ok[None, :]
+            b = tl.load(b_rows + k0, mask=b_mask, other=0.0)
+            acc += _dot_part(b, a, a_s, bs_rows + kb, n_ok, FP8_W, UPCAST_DOT)
+            if GATED:
+                u = tl.load(u_rows + k0, mask=b_mask, other=0.0)
+                acc_u += _dot_part(u, a, a_s, us_rows + kb, n_ok, FP8_W, UPCAST_DOT)
+        h = _silu_mul(acc, acc_u, ROUND_BF16) if GATED else acc  # [BN, 16]
+        c_ptrs = c_ptr + pair.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
+        tl.store(c_ptrs, cast_out(h, c_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
+
+
 @jit(dynamic=("T",))
 def _moe_decode_down_sum_kernel(
     h_ptr,
@@ -287,14 +404,22 @@ def _launch(a, a_s, w, w_s, c, ids, p, a_row_div, gated, a_mode, cfg: MoeDecodeC
     fp8_w = w_s is not None
     w_s = w if w_s is None else w_s  # unused without FP8 weights
     a_s = a if a_s is None else a_s
-    _moe_decode_kernel[(p, triton.cdiv(n, block_n))](
+    args = (
         a, a_s, w, w_s, c, ids,
         p, n, k, e, a_row_div,
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1), c.stride(0),
-        GATED=gated, A_MODE=a_mode, FP8_W=fp8_w, ROUND_BF16=round_bf16, ROWS=cfg.rows, BLOCK_N=block_n,
-        SUB=cfg.block_k // BLOCK, PAIRS=SMALL_PAIRS if p <= SMALL_PAIRS else MAX_PAIRS, FP8_MAX_C=FP8_MAX,
+    )  # fmt: skip
+    common = dict(
+        GATED=gated, A_MODE=a_mode, FP8_W=fp8_w, ROUND_BF16=round_bf16, BLOCK_N=block_n,
+        PAIRS=SMALL_PAIRS if p <= SMALL_PAIRS else MAX_PAIRS, FP8_MAX_C=FP8_MAX,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    grid = (p, triton.cdiv(n, block_n))
+    if cfg.dot:
+        block_k = BLOCK if fp8_w else cfg.block_k
+        _moe_decode_dot_kernel[grid](*args, BLOCK_K=block_k, UPCAST_DOT=interpreting(), **common)
+    else:
+        _moe_decode_kernel[grid](*args, ROWS=cfg.rows, SUB=cfg.block_k // BLOCK, **common)
 
 
 def moe_decode_gate_up(
