@@ -1,17 +1,21 @@
-"""Fused MoE at decode: the routed experts' GEMMs when each expert gets a few rows (GEMV on CUDA cores).
+"""Fused MoE at decode: the routed experts' GEMMs when each expert gets a few rows.
 
 At decode (batch 1: 6 pairs over 64 experts) the grouped GEMMs of `moe.py` pad every expert to a
-16-row tensor-core tile holding one real row, and their few tiles need split-K (lock counters) to
-fill the GPU. Here each program streams a [BLOCK_N, K] slice of one expert's weight and multiplies
-it by the few rows routed to that expert on CUDA cores, so the grid is (pairs, N / BLOCK_N): enough
-programs to fill the SMs with no split of K, no tile padding, no `moe_align` and (FP8) no separate
-activation quantization. Results are deterministic (no atomics, fixed summation order).
+16-row tile holding one real row, and their few tiles need split-K (lock counters) to fill the GPU.
+Here each program streams a [BLOCK_N, K] slice of one expert's weight against the few rows routed
+to that expert, so the grid is (pairs, N / BLOCK_N): enough programs to fill the SMs with no split
+of K, no `moe_align` and (FP8) no separate activation quantization. Results are deterministic (no
+atomics, fixed summation order). Two forms of the product:
+
+- CUDA cores (`_moe_decode_kernel`): the weight tile [1, BN, SUB, 128] times ROWS rows, float32.
+- tensor cores, "swap AB" (`_moe_decode_dot_kernel`, MoeDecodeConfig.dot): W tile @ rows.T with the
+  rows padded to 16, e4m3 MMA with FP8 weights; Triton pipelines the loads that feed tl.dot.
 
 GEMM1 (gate/up + SiLU*up) and GEMM2 per expert: a program is indexed by a pair p = t * top_k + j;
 only the first pair of each expert (its "leader") works, and it takes every pair of that expert,
-ROWS at a time; the others return at once. A weight slice is read once per ROWS rows of its expert.
-GEMM2 per token (`fuse_sum`, about one row per expert): a program takes one token's top_k experts
-and writes the weighted sum, so the top-k reduce launch of moe.py goes away.
+ROWS (or 16) at a time; the others return at once. A weight slice is read once per pass.
+GEMM2 per token (`fuse_sum`, CUDA cores, about one row per expert): a program takes one token's
+top_k experts and writes the weighted sum, so the top-k reduce launch of moe.py goes away.
 
 Launches: 2 (GEMM1, GEMM2 + sum) or 3 (GEMM1, GEMM2, moe.py's reduce), against the grouped path's
 5 ([act_quant], moe_align, GEMM1, GEMM2, reduce). Switch: MLAC_MOE_DECODE_KERNEL=0 (read at
@@ -48,7 +52,7 @@ ENABLED = os.environ.get("MLAC_MOE_DECODE_KERNEL", "1") != "0"
 
 @dataclass(frozen=True)
 class MoeDecodeConfig:
-    """Tiles of the decode GEMVs."""
+    """Tiles and form of the decode GEMMs."""
 
     block_n1: int = 32  # GEMM1 columns of each half (gate, up) per program
     block_n2: int = 32  # GEMM2 output columns per program
@@ -64,8 +68,8 @@ class MoeDecodeConfig:
 
 def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDecodeConfig | None:
     """The decode kernel's tiles, or None where the grouped GEMMs of `moe.py` should run: more than
-    MAX_PAIRS pairs, or more than 4 rows per expert on average (a weight slice is then re-read for
-    every `rows` rows, and tensor cores pay off). Off when MLAC_MOE_DECODE_KERNEL=0. With about
+    MAX_PAIRS pairs, or more than 4 rows per expert on average (the grouped tiles are then full
+    enough, and the leader scheme's idle programs grow). Off when MLAC_MOE_DECODE_KERNEL=0. With about
     one row per expert GEMM2 runs per token and sums the top-k (`fuse_sum`): one launch fewer, and
     an expert shared by several tokens is re-read (from L2: the tokens' programs of one N block
     run together). Defaults by rule, from the skinny-GEMM measurements of kernels/gemv.py on an
