@@ -147,25 +147,31 @@ class PendingLoad:
     final addresses, zero-filled until `join` returns: build on them, compute nothing from them.
     Exactly one of `join` or `cancel` must follow."""
 
-    def __init__(self, plan: _RankPlan, rank: int, dtype: torch.dtype, verify: bool, chunk: int | None):
+    def __init__(
+        self, plan: _RankPlan, rank: int, dtype: torch.dtype, verify: bool, chunk: int | None, start: float
+    ):
         self.manifest, self.rank, self.verify = plan.manifest, rank, verify
-        self._start = time.perf_counter()
+        self._start = start  # perf_counter() when start_load began (its checks count as the load's)
         self.tensors: dict[str, torch.Tensor] = {}
         self._derived: list[tuple[torch.Tensor, torch.Tensor, TensorInfo]] = []  # (tensor, its bytes, info)
-        reads = []
-        for f in plan.files:
-            header = plan.headers.get(f.path)
-            dest = None if header is None else torch.zeros(f.size, dtype=torch.uint8, device=plan.device)
-            if header is not None:
-                views, derived = place_tensors(header, dest, dtype)
-                self.tensors.update(views)
-                self._derived += derived
-            reads.append(FileRead(plan.root / f.path, f.path, f.size, f.sha256, _placed, dest))
+        reads = [self._allocate(plan, f, dtype) for f in plan.files]
         if plan.device.type == "cuda":
             torch.cuda.current_stream(plan.device).synchronize()  # NOTE: the zeros land before the reads
         self._pass = ReadPass(reads, plan.device, verify, plan.threads, chunk)
         self.threads = len(self._pass.lanes)
         self._pass.start()
+
+    def _allocate(self, plan: _RankPlan, f: FileEntry, dtype: torch.dtype) -> FileRead:
+        """File `f`'s read, into a zero-filled allocation of its size that its tensors view (a file
+        without tensors: hashed only)."""
+        header = plan.headers.get(f.path)
+        if header is None:
+            return FileRead(plan.root / f.path, f.path, f.size, f.sha256, None)
+        dest = torch.zeros(f.size, dtype=torch.uint8, device=plan.device)
+        views, derived = place_tensors(header, dest, dtype)
+        self.tensors.update(views)
+        self._derived += derived
+        return FileRead(plan.root / f.path, f.path, f.size, f.sha256, _placed, dest)
 
     def join(self) -> LoadedRank:
         """Wait for the pass; raise its error (MlacError: a file short or modified; then nothing
@@ -198,10 +204,11 @@ def start_load(
     allocated at its final address, zero-filled (so that a forward run before `join`, such as a
     CUDA-graph capture's warm-up, sees finite values), and the read pass started in the background.
     `device`: cpu or cuda (the pass's own destinations)."""
+    start = time.perf_counter()
     plan = _plan_rank(path, rank, device, verify, threads)
     if plan.device.type not in ("cpu", "cuda"):
         raise MlacError(f"a background load runs on cpu or cuda, not {plan.device}: use load_artifact")
-    return PendingLoad(plan, rank, dtype, verify, chunk_bytes)
+    return PendingLoad(plan, rank, dtype, verify, chunk_bytes, start)
 
 
 def _placed(data: torch.Tensor) -> int:
