@@ -6,6 +6,9 @@ nothing runs; a failed build stops the readers."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mlac
 from mlac.artifact import Manifest
 from mlac.errors import MlacError
 from mlac.runtime import readpass
@@ -27,6 +31,7 @@ from mlac.runtime.scheduler import SchedulerConfig
 from mlac.runtime.serve.launch import startup_line
 from tests._cli import invoke, one_line_error
 
+ROOT = Path(mlac.__file__).resolve().parent.parent
 PROMPTS = [[5, 9, 14, 3, 27], [8, 8, 31], [40, 2, 19, 7, 7, 11, 4]]
 
 
@@ -202,3 +207,17 @@ def test_the_startup_line_gives_the_overlapped_wall():
         in line
     )
     assert "load+graphs" not in startup_line(dict(s, graph_buckets=0), verified=True, kv_dtype="bf16")
+
+
+def test_the_engine_process_imports_no_http_stack():
+    """What the engine's child imports before its config comes (engine_process._child_main) holds
+    torch and the engine, not the server's FastAPI / uvicorn (serve/engine_start.py)."""
+    code = (
+        "import sys; from mlac.runtime import engine; from mlac.runtime.serve import engine_child; "
+        "print(' '.join(m for m in ('fastapi', 'uvicorn', 'starlette', 'mlac.runtime.serve.launch',"
+        " 'mlac.runtime.serve.app', 'transformers', 'mlac.compiler') if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", out.stdout
