@@ -189,6 +189,9 @@ def test_cuda_graphs_captured_while_loading_give_the_tokens_of_a_plain_start(
     monkeypatch.delenv(LOAD_OVERLAP_ENV)
     overlapped = Engine.from_artifact(path, **kw)
     assert "load_graphs_s" in overlapped.startup and overlapped.runner.graphs is not None
+    pending = start_load(path, device="cuda", dtype=torch.bfloat16)
+    assert all(len(lane.scratch) == 2 for lane in pending._pass.lanes)  # pinned before start_load returns
+    pending.join()
     same_bits(dict(overlapped.runner.model.named_buffers()), dict(plain.runner.model.named_buffers()))
     g = torch.Generator().manual_seed(5)
     for n in (1, 3, 13):

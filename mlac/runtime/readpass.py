@@ -14,8 +14,8 @@ tensors); `finish` turns that tensor into the caller's result once every byte is
 `verify`, the file's sha256 matched the manifest. A caller that allocated the file's place itself
 (`FileRead.dest`, cpu or cuda) can run the pass in the background (`ReadPass.start`, then `join`)
 while it does other work on the main thread (loader.start_load: the CUDA graphs are captured
-meanwhile). Everything a pass allocates on the device side (streams, events, pinned staging) is
-made by the thread that makes the ReadPass, before any reader thread starts.
+meanwhile). A pass's streams and events are made by the thread that makes the ReadPass; each
+reader pins its staging first thing, and `start` returns once all have.
 """
 
 from __future__ import annotations
@@ -117,9 +117,13 @@ class ReadPass:
         return self._result()
 
     def start(self) -> None:
-        """Run the pass on a background thread; `join` (or `cancel`) must follow."""
+        """Run the pass on a background thread; `join` (or `cancel`) must follow. Returns once
+        every reader holds its pinned staging: no host memory is pinned after it (not while the
+        caller captures a CUDA graph)."""
         self._thread = threading.Thread(target=self._drain, name="mlac-load-pass", daemon=True)
         self._thread.start()
+        for lane in self.lanes:
+            lane.staged.wait()
 
     def join(self) -> PassResult:
         """Wait for `start`'s pass; raise its first error (MlacError: a short or modified file)."""
@@ -135,11 +139,18 @@ class ReadPass:
             self._thread.join()
 
     def _drain(self) -> None:
-        if self.lanes:
-            with ThreadPoolExecutor(len(self.lanes), thread_name_prefix="mlac-load") as pool:
-                futures = [pool.submit(lane.drain, self.work, self.verify, self.stop) for lane in self.lanes]
-                self._outcomes = [f.exception() or f.result() for f in futures]
-        self.finished_at = time.perf_counter()
+        try:
+            self._outcomes = self._run_lanes() if self.lanes else []
+        finally:
+            for lane in self.lanes:
+                lane.staged.set()  # NOTE: `start` waits on them, whatever happened
+            self.finished_at = time.perf_counter()
+
+    def _run_lanes(self) -> list[Any]:
+        """Every lane on a thread of its own: what each returned, or its exception."""
+        with ThreadPoolExecutor(len(self.lanes), thread_name_prefix="mlac-load") as pool:
+            futures = [pool.submit(lane.drain, self.work, self.verify, self.stop) for lane in self.lanes]
+            return [f.exception() or f.result() for f in futures]
 
     def _result(self) -> PassResult:
         errors = [d for d in self._outcomes if isinstance(d, BaseException)]
@@ -169,14 +180,18 @@ class _Lane:
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.turn = 0
-        if self.cuda:  # NOTE: pinned now, on the thread making the pass (not while a graph is captured)
-            self.scratch = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.staged = threading.Event()  # set once the lane's staging exists (or it failed first)
 
     def drain(self, work: queue.SimpleQueue, verify: bool, stop: threading.Event) -> dict[str, Any]:
         """Read files from `work` until it is empty (or another thread failed)."""
         out: dict[str, Any] = {}
         try:
             with torch.cuda.device(self.device) if self.cuda else nullcontext():
+                try:
+                    if self.cuda:  # pinned first, the lanes in parallel (ReadPass.start waits for it)
+                        self._staging(1)
+                finally:
+                    self.staged.set()
                 while not stop.is_set():
                     try:
                         f = work.get_nowait()
