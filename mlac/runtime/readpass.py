@@ -85,8 +85,8 @@ def read_files(
 
 class ReadPass:
     """One pass over `files` (read_files), run here (`run`) or on a background thread (`start`,
-    then `join`, or `cancel`). Its lanes (streams, events, pinned staging) are made here, on the
-    calling thread."""
+    then `join`, or `cancel`). Its lanes' streams and events are made here, on the calling
+    thread; each reader pins its staging on its own thread, first thing."""
 
     def __init__(
         self,

@@ -309,11 +309,18 @@ def build_runner(
     and every tensor holds its value before anything replays a graph or runs a step. Without it:
     load, then build."""
     device = torch.device(job.device if device is None else device)
-    if not (job.options.load_overlap and device.type in ("cpu", "cuda")):
-        loaded = load_artifact(job.path, rank=rank, device=device, dtype=job.dtype, verify=job.verify)
-        runner = _assemble(job, rank, group, device, loaded.manifest, loaded.tensors)
-        runner.startup.update(load_s=loaded.stats.seconds, load_gb=loaded.stats.bytes / 1e9)
-        return runner
+    if job.options.load_overlap and device.type in ("cpu", "cuda"):
+        return _build_while_loading(job, rank, group, device)
+    loaded = load_artifact(job.path, rank=rank, device=device, dtype=job.dtype, verify=job.verify)
+    runner = _assemble(job, rank, group, device, loaded.manifest, loaded.tensors)
+    runner.startup.update(load_s=loaded.stats.seconds, load_gb=loaded.stats.bytes / 1e9)
+    return runner
+
+
+def _build_while_loading(
+    job: RankJob, rank: int, group: dist.ProcessGroup | None, device: torch.device
+) -> ModelRunner:
+    """build_runner with the load in the background: _assemble on the pending tensors, then join."""
     start = time.perf_counter()
     pending = start_load(job.path, rank=rank, device=device, dtype=job.dtype, verify=job.verify)
     try:
