@@ -66,6 +66,19 @@ def _speculative_options(fn):
                         "draft (mtp: an alias).")(fn)  # fmt: skip
 
 
+def _overlap_option(fn):
+    """--disable-overlap-schedule (SGLang's name), of the commands that decode: overlap scheduling
+    (runtime/overlap.py) is on by default on CUDA with one rank."""
+    return click.option("--disable-overlap-schedule", is_flag=True,
+                        help="Run each decode step's host work (sampling's sync, detokenizing, stop checks) "
+                        "after the step, not while the device runs the next one.")(fn)  # fmt: skip
+
+
+def _overlap(disabled: bool) -> bool | None:
+    """SchedulerConfig.overlap of --disable-overlap-schedule: False, else None (on CUDA)."""
+    return False if disabled else None
+
+
 REQUIRE_PREPARED_HELP = "On a GPU, refuse to start without a kernel cache of this GPU's signature (prepare)."
 
 
@@ -320,11 +333,12 @@ def synth(preset, out_dir, config_path, seed, num_layers):
               help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
 @_memory_options
 @_speculative_options
+@_overlap_option
 @click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
 def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_p, top_k, generation_config, seed, stop, json_schema,
              device, dtype, no_verify, cuda_graph, cuda_graph_max_bs, require_prepared, gpu_memory_utilization, max_model_len,
-             speculative_algorithm, speculative_num_steps):  # fmt: skip
+             speculative_algorithm, speculative_num_steps, disable_overlap_schedule):  # fmt: skip
     """Load an artifact and print a completion of --prompt."""
     import torch
 
@@ -336,7 +350,8 @@ def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_
     from mlac.runtime.spec_decode import num_steps_of
 
     grammar = None if json_schema is None else GrammarSpec("json_schema", _read_json_schema(json_schema))
-    sched = SchedulerConfig(speculative_num_steps=num_steps_of(speculative_algorithm, speculative_num_steps))
+    sched = SchedulerConfig(speculative_num_steps=num_steps_of(speculative_algorithm, speculative_num_steps),
+                            overlap=_overlap(disable_overlap_schedule))  # fmt: skip
     engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
                                   verify=not no_verify, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                                   max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
@@ -390,11 +405,12 @@ def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_
 )
 @_memory_options
 @_speculative_options
+@_overlap_option
 @click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @friendly_errors
 def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph, cuda_graph_max_bs, num_blocks,
           no_verify, profile, json_path, require_prepared, gpu_memory_utilization, max_model_len,
-          speculative_algorithm, speculative_num_steps):  # fmt: skip
+          speculative_algorithm, speculative_num_steps, disable_overlap_schedule):  # fmt: skip
     """Prefill and decode speed of OUT_DIR per batch size, against the bandwidth roofline.
 
     \b
@@ -415,7 +431,7 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
 
     spec = num_steps_of(speculative_algorithm, speculative_num_steps)
     sched = SchedulerConfig(max_running_requests=max(sizes), chunked_prefill_size=max(2048, input_len),
-                            speculative_num_steps=spec)  # fmt: skip
+                            speculative_num_steps=spec, overlap=_overlap(disable_overlap_schedule))  # fmt: skip
     engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype), verify=not no_verify,
                                   num_blocks=num_blocks, scheduler_config=sched, cuda_graph=cuda_graph,
                                   cuda_graph_max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
@@ -611,6 +627,7 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
 @click.option("--no-verify", is_flag=True, help="trusted storage: check sizes only, skip sha256")
 @_memory_options
 @_speculative_options
+@_overlap_option
 @click.option("--require-prepared", is_flag=True, help=REQUIRE_PREPARED_HELP)
 @click.option("--engine-process/--no-engine-process", default=True, show_default=True,
               help="Run the engine in a process of its own (else on a thread of the HTTP server's).")  # fmt: skip
@@ -621,7 +638,8 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
           reasoning_parser, tool_call_parser, enable_auto_tool_choice, max_body_bytes, request_body_timeout, nnodes,
           node_rank, master_addr, master_port, cuda_graph, cuda_graph_max_bs, dp_attention, warmup, log_level,
           log_requests, disable_log_stats, log_stats_interval, no_verify, require_prepared, gpu_memory_utilization,
-          max_model_len, speculative_algorithm, speculative_num_steps, engine_process):  # fmt: skip
+          max_model_len, speculative_algorithm, speculative_num_steps, disable_overlap_schedule,
+          engine_process):  # fmt: skip
     """Serve the artifact OUT_DIR over an OpenAI-compatible HTTP API (see docs/serving.md).
 
     \b
@@ -649,7 +667,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
     config = ServerConfig(
         artifact=out_dir, host=host, port=port, api_key=api_key_from_env(api_key), device=device, dtype=dtype,
         scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
-                                  prefix_cache=not disable_radix_cache,
+                                  prefix_cache=not disable_radix_cache, overlap=_overlap(disable_overlap_schedule),
                                   speculative_num_steps=num_steps_of(speculative_algorithm, speculative_num_steps)),
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
         served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,

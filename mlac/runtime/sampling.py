@@ -142,12 +142,21 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list as a [N] tensor on `device` without waiting for the device: on CUDA through
+    pinned memory, non-blocking (a plain torch.tensor(..., device=cuda) waits for every queued kernel,
+    which would stall the overlap scheduler's sampling behind the step it just launched)."""
+    x = torch.tensor(list(values), dtype=dtype)
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """logits [B, V] float32, one SamplingParams and generator per row -> token ids [B] int64."""
+    """logits [B, V] float32, one SamplingParams and generator per row -> token ids [B] int64 on the
+    logits' device. Queues device work only: nothing here waits for the device."""
     if not (logits.shape[0] == len(params) == len(generators)):
         raise ValueError(
             f"sample: {logits.shape[0]} rows, {len(params)} params, {len(generators)} generators"
@@ -158,17 +167,51 @@ def sample(
         return out
     dev = logits.device
 
-    def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(params[i], name) for i in rows], device=dev)
+    def per_row(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return to_device([getattr(params[i], name) for i in rows], dtype, dev)
 
-    x = logits[rows].float() / per_row("temperature").float()[:, None]
-    x = apply_top_k(x, per_row("top_k"))
-    x = apply_top_p(x, per_row("top_p").float())
+    x = logits if len(rows) == len(params) else logits.index_select(0, to_device(rows, torch.int64, dev))
+    x = x.float() / per_row("temperature")[:, None]  # [R, V]
+    x = apply_top_k(x, per_row("top_k", torch.int64))
+    x = apply_top_p(x, per_row("top_p"))
     if any(params[i].min_p > 0 for i in rows):
-        x = apply_min_p(x, per_row("min_p").float())
+        x = apply_min_p(x, per_row("min_p"))
     probs = x.softmax(dim=-1)
     for j, i in enumerate(rows):
         out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return out
+
+
+def logprob_tensors(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The device half of token_logprobs: (values [R, 1 + k] float32, ids [R, 1 + k] int64) on the
+    logits' device for the R rows that asked (column 0 the sampled token, then the k most likely,
+    k the most any row asked); None when no row asked. Nothing here waits for the device."""
+    rows = [i for i, n in enumerate(num_top) if n is not None]
+    if not rows:
+        return None
+    index = to_device(rows, torch.int64, logits.device) if len(rows) < len(num_top) else None
+    x = logits if index is None else logits.index_select(0, index)
+    ids = token_ids.to(logits.device)[:, None]  # [B, 1]
+    ids = ids if index is None else ids.index_select(0, index)  # [R, 1]
+    lp = torch.log_softmax(x.float(), dim=-1)  # [R, V]
+    k = max(num_top[i] for i in rows)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], ids[:, :0])  # [R, k]
+    return torch.cat([lp.gather(1, ids), top_vals], dim=1), torch.cat([ids, top_ids], dim=1)
+
+
+def read_logprobs(
+    vals: list[list[float]], ids: list[list[int]], num_top: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """The host half of token_logprobs: logprob_tensors' rows (as lists) -> each row's
+    TokenLogprob (None where not asked)."""
+    out: list[TokenLogprob | None] = [None] * len(num_top)
+    rows = [i for i, n in enumerate(num_top) if n is not None]
+    for j, i in enumerate(rows):
+        n = num_top[i]
+        top = tuple(zip(ids[j][1 : 1 + n], vals[j][1 : 1 + n], strict=True))
+        out[i] = TokenLogprob(ids[j][0], vals[j][0], top)
     return out
 
 
@@ -178,21 +221,8 @@ def token_logprobs(
     """logits [B, V], the sampled token_ids [B], alternatives wanted per row (None: no logprobs)
     -> each row's TokenLogprob (None where not asked). The rows that asked are computed together
     on the logits' device; two transfers to the host in all (values and ids), none per row."""
-    rows = [i for i, n in enumerate(num_top) if n is not None]
-    out: list[TokenLogprob | None] = [None] * len(num_top)
-    if not rows:
-        return out
-    index = torch.tensor(rows, device=logits.device) if len(rows) < len(num_top) else None
-    x = logits if index is None else logits.index_select(0, index)
-    ids = token_ids.to(logits.device)[:, None]  # [B, 1]
-    ids = ids if index is None else ids.index_select(0, index)  # [R, 1]
-    lp = torch.log_softmax(x.float(), dim=-1)  # [R, V]
-    k = max(num_top[i] for i in rows)
-    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], ids[:, :0])  # [R, k]
-    vals = torch.cat([lp.gather(1, ids), top_vals], dim=1).tolist()  # [R, 1 + k]: chosen, top
-    all_ids = torch.cat([ids, top_ids], dim=1).tolist()  # [R, 1 + k]
-    for j, i in enumerate(rows):
-        n = num_top[i]
-        top = tuple(zip(all_ids[j][1 : 1 + n], vals[j][1 : 1 + n], strict=True))
-        out[i] = TokenLogprob(all_ids[j][0], vals[j][0], top)
-    return out
+    found = logprob_tensors(logits, token_ids, num_top)
+    if found is None:
+        return [None] * len(num_top)
+    vals, ids = found
+    return read_logprobs(vals.tolist(), ids.tolist(), num_top)

@@ -30,6 +30,10 @@ A sequence is assigned a rank when admitted (`dp_rank`, by dp_attention.route: t
 its longest cached prefix if it has room, else the one with the most free blocks); its blocks,
 prefix matches and preemption victims all come from that rank's pool.
 
+Overlap (`SchedulerConfig.overlap`, overlap.py): a pure decode step is launched and sampled on the
+device, and the next step launches its successor from the device-side ids before the host reads
+and appends its tokens: a step returns the news of the step before it.
+
 The oldest sequence is never preempted by another, so it always progresses: no request is
 dropped, and every request finishes. The scheduler is single-threaded; callers on other threads
 go through an inbox (see server.EngineLoop).
@@ -48,6 +52,7 @@ import torch
 from mlac.errors import MlacError
 from mlac.runtime.constrain import Matcher, mask_logits
 from mlac.runtime.dp_attention import route
+from mlac.runtime.overlap import Overlap, runs_here
 from mlac.runtime.prefix_cache import Node
 from mlac.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from mlac.runtime.spec_decode import SpecDecoder
@@ -65,6 +70,9 @@ class SchedulerConfig:
     chunked_prefill_size: int = 2048  # most prompt tokens run in one step, over all sequences
     prefix_cache: bool = True  # reuse cached prompt prefixes (radix cache, prefix_cache.py)
     speculative_num_steps: int = 0  # MTP draft tokens verified per decode step (spec_decode.py); 0: off
+    # host work of decode step N while the device runs N + 1 (overlap.py). None: on CUDA; True: on
+    # wherever the runner runs here (CPU too: tests); off for multi-rank runners and speculation
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunked_prefill_size"):
@@ -74,6 +82,8 @@ class SchedulerConfig:
         k = self.speculative_num_steps
         if not isinstance(k, int) or k < 0:
             raise MlacError(f"speculative_num_steps={k!r}: must be an integer >= 0 (0: off)")
+        if not (self.overlap is None or isinstance(self.overlap, bool)):
+            raise MlacError(f"overlap={self.overlap!r}: must be True, False or None (on CUDA)")
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,11 @@ def find_stop(text: str, new_chars: int, stops: Seq[str]) -> int | None:
     return min(hits) if hits else None
 
 
+def unique(seqs: list[Sequence]) -> list[Sequence]:
+    """`seqs` without repeats, in first-seen order."""
+    return list(dict.fromkeys(seqs))
+
+
 def sample_next(seqs: list[Sequence], logits: torch.Tensor, eos_ids: Seq[int], max_context: int) -> None:
     """Sample one token per sequence from its logits [B, V] and append it (with its logprobs). A
     sequence with a grammar samples among the tokens it allows; its logprobs are the model's."""
@@ -244,6 +259,8 @@ class Scheduler:
         self._watermark = max(1, alloc.num_blocks // 100)  # blocks kept free when admitting
         k = self.config.speculative_num_steps
         self.spec = SpecDecoder(runner, k) if k else None  # speculative decoding (opt-in)
+        on = self.config.overlap if self.config.overlap is not None else runner.device.type == "cuda"
+        self.overlap = Overlap(runner) if on and self.spec is None and runs_here(runner) else None
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -257,9 +274,26 @@ class Scheduler:
         self._aborts.add(seq_id)
 
     def abort_all(self) -> list[Sequence]:
-        """Abort every sequence now, freeing its blocks (shutdown, or after a failed step)."""
+        """Abort every sequence now, freeing its blocks (shutdown, or after a failed step). Returns
+        the aborted sequences, and those that the step in flight (overlap) finished first."""
+        news = self._drain_quietly()
         self._aborts.update(s.seq_id for s in self.waiting + self.running)
-        return self._apply_aborts()
+        return unique(news + self._apply_aborts())
+
+    def _drain_quietly(self) -> list[Sequence]:
+        """Land the step in flight, if any. If that fails (the device's error, say), its tokens stay
+        unread: every sequence is being aborted anyway."""
+        if self.overlap is None or self.overlap.flight is None:
+            return []
+        try:
+            return self.overlap.drain(self)
+        except Exception:  # noqa: BLE001  (the caller is aborting everything, maybe after this error)
+            return []
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a decode step's tokens are still on the device (overlap): the next step lands them."""
+        return self.overlap is not None and self.overlap.flight is not None
 
     @property
     def has_unfinished(self) -> bool:
@@ -283,15 +317,30 @@ class Scheduler:
 
     def step(self) -> list[Sequence]:
         """Schedule and run one forward; returns the sequences with news: a new token, finished,
-        or aborted. Finished sequences have left the scheduler and freed their blocks."""
-        news = self._apply_aborts()
+        or aborted. Finished sequences have left the scheduler and freed their blocks. With
+        overlap, a decode step's news come with the next step (overlap.py)."""
+        news = []
+        if self.in_flight:
+            steady = self.overlap.advance(self)
+            if steady is not None:
+                return steady
+            news = self.overlap.drain(self)
+        news += self._apply_aborts()
         plan = self._schedule()
         if plan:
-            news += self.spec.run(self, plan) if self.spec is not None else self._run(plan)
+            news += self._dispatch(plan)
         elif self.waiting and not self.running:  # cannot happen while requests fit the context; never hang
             n, free = self.waiting[0].num_tokens, self.cache.allocator.num_free
             raise MlacError(f"cannot admit a request of {n} tokens ({free} free blocks)")
-        return news
+        return unique(news)
+
+    def _dispatch(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
+        if self.spec is not None:
+            return self.spec.run(self, plan)
+        if self.overlap is not None and self.overlap.can_start(plan):
+            self.overlap.start(plan)  # its news come with the next step
+            return []
+        return self._run(plan)
 
     def _apply_aborts(self) -> list[Sequence]:
         if not self._aborts:
