@@ -144,8 +144,8 @@ def _plan_rank(
 
 class PendingLoad:
     """A load running in the background (start_load). `tensors` are the rank's tensors at their
-    final addresses, zero-filled until `join` returns: build on them, compute nothing from them.
-    Exactly one of `join` or `cancel` must follow."""
+    final addresses, zero-filled at first, their values complete once `join` returns: build on
+    them, compute nothing from them before. Exactly one of `join` or `cancel` must follow."""
 
     def __init__(
         self, plan: _RankPlan, rank: int, dtype: torch.dtype, verify: bool, chunk: int | None, start: float
