@@ -44,8 +44,91 @@ class SkinnyConfig:
 
 
 # Measured configs, keyed by (kind, N, K, m_class): kind "bf16" (also fp16) or "fp8", m_class
-# from M_CLASSES. benchmarks/bench_gemv.py prints these lines; shapes not here use default_config.
-TUNED: dict[tuple[str, int, int, int], SkinnyConfig] = {}
+# from M_CLASSES; None where the path the skinny GEMM replaces (cuBLAS, fp8_gemm) measured faster
+# (skinny_applies then declines). Shapes not here use default_config. From benchmarks/bench_gemv.py
+# on one H200 (benchmarks/results/gemv_h200.json): a config is kept where it beat the baseline by
+# >= 3% summed over the class's M; the comment gives the mean time per call, skinny vs baseline.
+_C = SkinnyConfig  # (block_n, block_k, split_k, num_warps, num_stages, dot)
+TUNED: dict[tuple[str, int, int, int], SkinnyConfig | None] = {
+    ("bf16", 576, 2048, 1): _C(16, 256, 8, 4, 4, False),  # M=1: 4.36 us vs 6.05
+    ("bf16", 576, 2048, 4): _C(64, 256, 8, 4, 3, True),  # M=2,4: 4.67 us vs 5.83
+    ("bf16", 576, 2048, 16): _C(64, 256, 8, 4, 3, True),  # M=8,16: 5.06 us vs 5.79
+    ("bf16", 576, 7168, 1): _C(16, 256, 8, 4, 4, False),  # M=1: 6.16 us vs 6.90
+    ("bf16", 576, 7168, 4): _C(64, 256, 8, 4, 3, True),  # M=2,4: 6.70 us vs 7.01
+    ("bf16", 576, 7168, 16): _C(32, 128, 16, 4, 4, True),  # M=8,16: 6.60 us vs 7.18
+    ("bf16", 1536, 7168, 1): _C(32, 256, 8, 4, 4, False),  # M=1: 9.24 us vs 9.82
+    ("bf16", 1536, 7168, 4): _C(32, 128, 8, 4, 4, True),  # M=2,4: 9.58 us vs 9.87
+    ("bf16", 1536, 7168, 16): None,  # M=8,16: cublas 9.93 us, skinny 9.73
+    ("bf16", 2048, 1408, 1): _C(16, 512, 1, 4, 4, False),  # M=1: 4.31 us vs 5.16
+    ("bf16", 2048, 1408, 4): None,  # M=2,4: cublas 5.18 us, skinny 5.40
+    ("bf16", 2048, 1408, 16): None,  # M=8,16: cublas 5.19 us, skinny 5.56
+    ("bf16", 2048, 2048, 1): None,  # M=1: cublas 6.07 us, skinny 5.90
+    ("bf16", 2048, 2048, 4): None,  # M=2,4: cublas 6.06 us, skinny 6.00
+    ("bf16", 2048, 2048, 16): None,  # M=8,16: cublas 6.08 us, skinny 6.19
+    ("bf16", 2048, 10944, 1): _C(32, 128, 8, 4, 4, True),  # M=1: 15.32 us vs 15.89
+    ("bf16", 2048, 10944, 4): None,  # M=2,4: cublas 15.78 us, skinny 15.51
+    ("bf16", 2048, 10944, 16): None,  # M=8,16: cublas 15.84 us, skinny 15.88
+    ("bf16", 2816, 2048, 1): None,  # M=1: cublas 6.25 us, skinny 6.76
+    ("bf16", 2816, 2048, 4): None,  # M=2,4: cublas 6.23 us, skinny 7.03
+    ("bf16", 2816, 2048, 16): None,  # M=8,16: cublas 6.26 us, skinny 7.11
+    ("bf16", 3072, 2048, 1): None,  # M=1: cublas 6.10 us, skinny 6.72
+    ("bf16", 3072, 2048, 4): None,  # M=2,4: cublas 6.41 us, skinny 7.17
+    ("bf16", 3072, 2048, 16): None,  # M=8,16: cublas 6.43 us, skinny 7.36
+    ("bf16", 4096, 7168, 1): _C(32, 128, 4, 4, 4, True),  # M=1: 18.04 us vs 19.07
+    ("bf16", 4096, 7168, 4): _C(32, 128, 4, 4, 4, True),  # M=2,4: 18.28 us vs 19.15
+    ("bf16", 4096, 7168, 16): _C(32, 128, 4, 4, 4, True),  # M=8,16: 18.80 us vs 19.46
+    ("bf16", 7168, 2048, 1): None,  # M=1: cublas 10.17 us, skinny 11.13
+    ("bf16", 7168, 2048, 4): None,  # M=2,4: cublas 10.01 us, skinny 11.22
+    ("bf16", 7168, 2048, 16): None,  # M=8,16: cublas 9.95 us, skinny 11.54
+    ("bf16", 7168, 16384, 1): None,  # M=1: cublas 59.38 us, skinny 58.32
+    ("bf16", 7168, 16384, 4): None,  # M=2,4: cublas 60.18 us, skinny 58.70
+    ("bf16", 7168, 16384, 16): _C(64, 128, 4, 4, 4, True),  # M=8,16: 59.80 us vs 64.92
+    ("bf16", 21888, 2048, 1): None,  # M=1: cublas 24.26 us, skinny 23.98
+    ("bf16", 21888, 2048, 4): None,  # M=2,4: cublas 24.74 us, skinny 24.84
+    ("bf16", 21888, 2048, 16): None,  # M=8,16: cublas 24.88 us, skinny 25.21
+    ("bf16", 24576, 1536, 1): _C(64, 128, 1, 4, 4, False),  # M=1: 20.56 us vs 21.58
+    ("bf16", 24576, 1536, 4): _C(64, 128, 1, 4, 4, True),  # M=2,4: 20.91 us vs 21.77
+    ("bf16", 24576, 1536, 16): None,  # M=8,16: cublas 21.55 us, skinny 21.35
+    ("fp8", 576, 2048, 1): _C(64, 128, 16, 8, 4, False),  # M=1: 4.25 us vs 5.02
+    ("fp8", 576, 2048, 4): _C(32, 128, 8, 4, 4, True),  # M=2,4: 4.43 us vs 5.08
+    ("fp8", 576, 2048, 16): _C(32, 128, 8, 4, 4, True),  # M=8,16: 4.62 us vs 5.27
+    ("fp8", 576, 7168, 1): _C(32, 128, 16, 4, 4, True),  # M=1: 5.79 us vs 6.68
+    ("fp8", 576, 7168, 4): _C(32, 128, 16, 4, 4, True),  # M=2,4: 5.86 us vs 6.83
+    ("fp8", 576, 7168, 16): _C(32, 128, 16, 4, 4, True),  # M=8,16: 6.06 us vs 7.14
+    ("fp8", 1536, 7168, 1): _C(32, 128, 8, 4, 4, True),  # M=1: 7.34 us vs 7.81
+    ("fp8", 1536, 7168, 4): _C(32, 128, 8, 4, 4, True),  # M=2,4: 7.45 us vs 7.93
+    ("fp8", 1536, 7168, 16): _C(32, 128, 8, 4, 4, True),  # M=8,16: 7.65 us vs 8.47
+    ("fp8", 2048, 1408, 1): _C(64, 128, 4, 4, 4, True),  # M=1: 4.75 us vs 5.89
+    ("fp8", 2048, 1408, 4): _C(64, 128, 4, 4, 4, True),  # M=2,4: 4.83 us vs 6.04
+    ("fp8", 2048, 1408, 16): _C(64, 128, 4, 4, 4, True),  # M=8,16: 4.99 us vs 6.38
+    ("fp8", 2048, 2048, 1): _C(64, 128, 8, 4, 4, True),  # M=1: 5.25 us vs 5.53
+    ("fp8", 2048, 2048, 4): _C(64, 128, 8, 4, 4, True),  # M=2,4: 5.33 us vs 5.61
+    ("fp8", 2048, 2048, 16): None,  # M=8,16: fp8_gemm 5.77 us, skinny 5.80
+    ("fp8", 2048, 10944, 1): _C(64, 128, 16, 4, 4, True),  # M=1: 10.54 us vs 11.12
+    ("fp8", 2048, 10944, 4): _C(32, 128, 8, 4, 4, True),  # M=2,4: 10.92 us vs 11.29
+    ("fp8", 2048, 10944, 16): _C(32, 128, 8, 4, 4, True),  # M=8,16: 11.14 us vs 12.25
+    ("fp8", 2816, 2048, 1): _C(64, 128, 8, 4, 4, True),  # M=1: 5.85 us vs 6.07
+    ("fp8", 2816, 2048, 4): _C(64, 128, 8, 4, 4, True),  # M=2,4: 6.00 us vs 6.20
+    ("fp8", 2816, 2048, 16): None,  # M=8,16: fp8_gemm 6.42 us, skinny 6.29
+    ("fp8", 3072, 2048, 1): _C(64, 128, 8, 4, 4, True),  # M=1: 5.94 us vs 6.15
+    ("fp8", 3072, 2048, 4): None,  # M=2,4: fp8_gemm 6.25 us, skinny 6.12
+    ("fp8", 3072, 2048, 16): None,  # M=8,16: fp8_gemm 6.49 us, skinny 6.42
+    ("fp8", 4096, 7168, 1): None,  # M=1: fp8_gemm 11.55 us, skinny 11.25
+    ("fp8", 4096, 7168, 4): None,  # M=2,4: fp8_gemm 11.66 us, skinny 11.40
+    ("fp8", 4096, 7168, 16): None,  # M=8,16: fp8_gemm 12.27 us, skinny 12.24
+    ("fp8", 7168, 2048, 1): _C(64, 128, 4, 4, 4, True),  # M=1: 8.02 us vs 8.53
+    ("fp8", 7168, 2048, 4): _C(64, 128, 4, 4, 4, True),  # M=2,4: 8.18 us vs 8.69
+    ("fp8", 7168, 2048, 16): _C(32, 128, 2, 4, 4, True),  # M=8,16: 8.76 us vs 9.07
+    ("fp8", 7168, 16384, 1): _C(64, 128, 4, 4, 4, True),  # M=1: 31.81 us vs 32.97
+    ("fp8", 7168, 16384, 4): _C(64, 128, 4, 4, 4, True),  # M=2,4: 32.16 us vs 33.30
+    ("fp8", 7168, 16384, 16): None,  # M=8,16: fp8_gemm 34.48 us, skinny 33.49
+    ("fp8", 21888, 2048, 1): _C(64, 128, 1, 4, 4, True),  # M=1: 13.34 us vs 14.33
+    ("fp8", 21888, 2048, 4): _C(64, 128, 1, 4, 4, True),  # M=2,4: 13.56 us vs 14.53
+    ("fp8", 21888, 2048, 16): _C(64, 128, 1, 4, 4, True),  # M=8,16: 13.94 us vs 14.73
+    ("fp8", 24576, 1536, 1): _C(64, 128, 1, 4, 4, True),  # M=1: 11.50 us vs 12.32
+    ("fp8", 24576, 1536, 4): _C(64, 128, 1, 4, 4, True),  # M=2,4: 11.58 us vs 12.30
+    ("fp8", 24576, 1536, 16): _C(64, 128, 1, 4, 4, True),  # M=8,16: 11.81 us vs 12.50
+}
 
 
 def m_class(m: int) -> int:
@@ -321,6 +404,10 @@ def skinny_applies(x: torch.Tensor | Fp8Act, w: torch.Tensor, scale: torch.Tenso
     k = a.shape[-1]
     if k == 0 or a.numel() // k > MAX_ROWS:
         return False
+    kind = "fp8" if scale is not None else "bf16"
+    key = (kind, w.shape[0], k, m_class(max(1, a.numel() // k)))
+    if key in TUNED and TUNED[key] is None:
+        return False  # measured slower than the path it would replace (unmeasured shapes take it)
     if scale is not None:
         return w.dtype == FP8
     return not isinstance(x, Fp8Act) and w.dtype in DENSE_DTYPES and x.dtype == w.dtype

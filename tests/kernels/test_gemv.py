@@ -171,6 +171,18 @@ def test_skinny_applies():
     assert not gemv.skinny_applies(_act(x16, torch.bfloat16), wd, None)
 
 
+def test_skinny_declines_shapes_measured_slower():
+    """TUNED None (the baseline measured faster on the H200) sends a shape back to cuBLAS; a
+    measured win, and an unmeasured shape, take the skinny GEMM."""
+    slower = torch.zeros(3072, 2048, dtype=torch.bfloat16)  # V2-Lite q_proj: cuBLAS won at M = 1
+    faster = torch.zeros(576, 2048, dtype=torch.bfloat16)  # V2-Lite kv_a: skinny won
+    x = torch.zeros(1, 2048, dtype=torch.bfloat16)
+    assert gemv.TUNED[("bf16", 3072, 2048, 1)] is None and not gemv.skinny_applies(x, slower, None)
+    assert gemv.TUNED[("bf16", 576, 2048, 1)] is not None and gemv.skinny_applies(x, faster, None)
+    assert ("bf16", 640, 2048, 1) not in gemv.TUNED
+    assert gemv.skinny_applies(x, torch.zeros(640, 2048, dtype=torch.bfloat16), None)
+
+
 # ---- Linear's dispatch -------------------------------------------------------------------------
 
 
