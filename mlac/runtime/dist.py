@@ -275,7 +275,10 @@ class RankGroup:
     def _attach_link(self, gloo: dist.ProcessGroup) -> StepLink:
         """Other ranks: attach to rank 0's step channel (if it made one), tell rank 0."""
         name = self.ctl.get("channel").decode()
-        channel = None if name == "gloo" else ShmChannel.attach(name, reader=self.world.rank - 1)
+        try:
+            channel = None if name == "gloo" else ShmChannel.attach(name, reader=self.world.rank - 1)
+        except MlacError as e:
+            raise MlacError(f"{e} (rank 0 sends the steps over gloo with {CHANNEL_ENV}=gloo)") from e
         self.ctl.set(f"attached/{self.world.rank}", "1")
         return StepLink(gloo, channel, self._rank_0_alive)
 
