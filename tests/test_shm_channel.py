@@ -171,7 +171,7 @@ def test_waits_end_when_alive_says_so_or_at_the_timeout():
     assert segments(os.getpid()) == []
 
 
-def test_attach_refuses_what_is_not_a_channel(tmp_path, monkeypatch):
+def test_attach_refuses_what_is_not_a_channel():
     ch = ShmChannel.create(1, capacity=CAPACITY)
     try:
         with pytest.raises(MlacError, match="is not a step channel with a reader 1"):
