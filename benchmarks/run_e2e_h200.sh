@@ -3,12 +3,18 @@
 # bf16 and --fp8: `mlac bench` in process (with a decode profile at batch 1), `mlac serve` over HTTP
 # (serve_gpu.py), the prefix cache's TTFT (prefix_ttft.py, bf16), the constrained sampler's
 # overhead (constrained_overhead.py, bf16).
-# Env: ARTS (default "bf16 fp8"), SKIP_PREFIX, SKIP_CONSTRAINED, SERVE_S (per serve run, default 110).
-# $OUT: bench_<art>.json, serve_<art>.json, prefix_ttft.json, constrained.json, log.txt.
+# Env: ARTS (default "bf16 fp8"), SKIP_PREFIX, SKIP_CONSTRAINED, SERVE_S (per serve run, default 110),
+# GPU_TESTS (test files to run first, GPU-marked tests only), NO_OVERLAP_TOO (also bench each artifact
+# with --disable-overlap-schedule: bench_<art>_no_overlap.json).
+# $OUT: bench_<art>.json, serve_<art>.json, prefix_ttft.json, constrained.json, gpu_tests.txt, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
 git log --oneline -1 2>/dev/null
 ARTS=${ARTS:-bf16 fp8}
+if [ -n "${GPU_TESTS:-}" ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS >"$OUT/gpu_tests.txt" 2>&1
+  stamp "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.txt"
+fi
 if [ ! -f $W/bf16/manifest.sha256 ]; then
   python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 || { tail -5 $W/synth.log; exit 1; }; stamp synth
   pids=()
@@ -22,6 +28,11 @@ fi
 for a in $ARTS; do
   python3 -m mlac.cli bench --no-verify --input-len 64 --output-len 64 $W/$a --batch-sizes 1,32,256 --profile \
     --json "$OUT/bench_$a.json" 2>&1 | grep -v Warn | tail -7; stamp "bench $a"
+  if [ -n "${NO_OVERLAP_TOO:-}" ]; then
+    python3 -m mlac.cli bench --no-verify --input-len 64 --output-len 64 $W/$a --batch-sizes 1,32,256 \
+      --disable-overlap-schedule --json "$OUT/bench_${a}_no_overlap.json" 2>&1 | grep -v Warn | tail -4
+    stamp "bench $a --disable-overlap-schedule"
+  fi
   timeout -k 10 ${SERVE_S:-110} python3 benchmarks/serve_gpu.py $W/$a --device cuda --json "$OUT/serve_$a.json" \
     --log $W/serve-$a.log --batches 1,32,256 --prompt-len 64 --max-tokens 64 --peak-requests 1024 \
     --peak-prompt-len 128 --peak-max-tokens 128 --max-running-requests 256 --max-queue 1024 \

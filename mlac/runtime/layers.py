@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,8 @@ from torch import nn
 from mlac.config import ModelConfig, yarn_mscale
 from mlac.errors import MlacError
 from mlac.kernels.fp8_gemm import FP8, fp8_linear
-from mlac.kernels.fp8_quant import Fp8Act
+from mlac.kernels.fp8_quant import Fp8Act, use_triton
+from mlac.kernels.gemv import skinny_applies, skinny_linear
 from mlac.kernels.norm_rope import rms_norm, rms_norm_quant
 
 
@@ -59,13 +61,22 @@ def take_weight(weights: Weights, name: str) -> tuple[torch.Tensor, torch.Tensor
     return w, scale
 
 
+# MLAC_SKINNY_GEMM=0 (read once, at import) turns the skinny decode GEMM off, for A/B runs.
+SKINNY_GEMM = os.environ.get("MLAC_SKINNY_GEMM", "1") != "0"
+
+
 class Linear(nn.Module):
-    """y = x @ W.T, dispatching on the stored format of W.
+    """y = x @ W.T, dispatching on the stored format of W, and on the row count.
 
     An FP8 (e4m3) weight carries `<name>.scale` (float32 128x128 block scales) and runs through
     the block-FP8 GEMM; any other weight runs through F.linear in the activation dtype. An FP8
     Linear (`fp8`) also takes its input already quantized (`Fp8Act`, made by the kernel that
     produced it): same bits, one quantizing launch fewer.
+
+    Decode-sized inputs (at most 16 rows, M = x.numel() // K) on the Triton path (CUDA) run
+    through the skinny GEMM instead (kernels/gemv.py: one launch that streams W, same numerics
+    up to summation order), unless MLAC_SKINNY_GEMM=0 was set when this module was imported. M is
+    fixed per CUDA-graph bucket, so the choice is fixed at capture.
     """
 
     def __init__(self, weights: Weights, name: str):
@@ -80,10 +91,17 @@ class Linear(nn.Module):
         return self.scale is not None
 
     def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:  # [..., in] -> [..., out] in x.dtype
+        if self._skinny(x):
+            return skinny_linear(x, self.weight, self.scale)
         if self.scale is not None:
             return fp8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
         assert not isinstance(x, Fp8Act), "an Fp8Act feeds only FP8 weights"
         return F.linear(x, self.weight)
+
+    def _skinny(self, x: torch.Tensor | Fp8Act) -> bool:
+        """Whether x goes to the skinny GEMM (the one place that decides)."""
+        a = x.q if isinstance(x, Fp8Act) else x
+        return SKINNY_GEMM and skinny_applies(x, self.weight, self.scale) and use_triton(a)
 
 
 class Reads(enum.Enum):
