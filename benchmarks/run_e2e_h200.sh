@@ -5,7 +5,9 @@
 # overhead (constrained_overhead.py, bf16).
 # Env: ARTS (default "bf16 fp8"), SKIP_PREFIX, SKIP_CONSTRAINED, SERVE_S (per serve run, default 110),
 # GPU_TESTS (test files to run first, GPU-marked tests only), NO_OVERLAP_TOO (also bench each artifact
-# with --disable-overlap-schedule: bench_<art>_no_overlap.json).
+# with --disable-overlap-schedule: bench_<art>_no_overlap.json), AB_ENVS (space-separated env settings, e.g.
+# "MLAC_PDL=0 MLAC_SKINNY_GEMM=0": each artifact is also benched at batch 1 and 32 with that one setting,
+# bench_<art>_<setting>.json), SKIP_SERVE (no serve_gpu.py runs).
 # $OUT: bench_<art>.json, serve_<art>.json, prefix_ttft.json, constrained.json, gpu_tests.txt, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
@@ -33,6 +35,12 @@ for a in $ARTS; do
       --disable-overlap-schedule --json "$OUT/bench_${a}_no_overlap.json" 2>&1 | grep -v Warn | tail -4
     stamp "bench $a --disable-overlap-schedule"
   fi
+  for e in ${AB_ENVS:-}; do
+    env "$e" python3 -m mlac.cli bench --no-verify --input-len 64 --output-len 64 $W/$a --batch-sizes 1,32 --profile \
+      --json "$OUT/bench_${a}_${e}.json" 2>&1 | grep -v Warn | tail -4
+    stamp "bench $a $e"
+  done
+  [ -n "${SKIP_SERVE:-}" ] && continue
   timeout -k 10 ${SERVE_S:-110} python3 benchmarks/serve_gpu.py $W/$a --device cuda --json "$OUT/serve_$a.json" \
     --log $W/serve-$a.log --batches 1,32,256 --prompt-len 64 --max-tokens 64 --peak-requests 1024 \
     --peak-prompt-len 128 --peak-max-tokens 128 --max-running-requests 256 --max-queue 1024 \

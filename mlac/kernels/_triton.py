@@ -1,11 +1,40 @@
-"""The Triton import guard and the one dispatch rule shared by every kernel family.
+"""The Triton import guard, the one dispatch rule shared by every kernel family, and the PDL switch.
 
 Triton is optional: a CPU-only install imports every kernel module and runs the pure-torch
 references; the `@triton.jit` kernels are defined only when triton is importable.
+
+Programmatic dependent launch (PDL, Hopper and later): a kernel launched with `launch_pdl=True`
+may start while the kernel before it in the stream drains; its CTAs run until `gdc_wait()`, which
+blocks until that previous kernel has completed and its writes are visible. CUDA-graph capture
+keeps these as programmatic edges, so a replayed decode step overlaps each kernel's launch and
+ramp-up with the tail of the one before. The switch, `pdl_on()`: on when env MLAC_PDL (read once,
+at import) is not "0" and the current GPU is CUDA sm >= 90 (asked once, at the first launch); always
+off on CPU and under TRITON_INTERPRET=1 (the interpreter never sees a gdc op: they sit behind the
+kernels' `PDL` constexpr).
+
+Every mlac kernel follows one mechanical pattern (moe.py still to apply it):
+
+    @triton.jit
+    def _my_kernel(x, y, ..., BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)          # FIRST statement: before any load and before any early `return`
+        ...
+
+    _my_kernel[grid](x, y, ..., BLOCK=block, num_warps=4, **pdl_launch())
+
+`pdl_start` waits for the previous kernel (a missing wait is a silent race on what it wrote), then
+lets the next kernel's CTAs be scheduled (they still wait in their own `pdl_start`). It must come
+before an early `return` too: a kernel whose CTAs all exit without waiting could complete before
+its predecessor, and the kernel after it would then read that predecessor's output too early.
+
+Kernel caches: `launch_pdl` is a compile option and `PDL` a constexpr, so both are in Triton's cache
+key. An artifact prepared with PDL on (the default on Hopper) holds the PDL variants; a server run
+with MLAC_PDL=0 finds none of its kernels there and compiles them on first use, unless the artifact
+was also prepared under MLAC_PDL=0.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -18,6 +47,7 @@ except ImportError:  # the CPU runtime must not need triton
     tl = None
 
 HAS_TRITON = triton is not None
+PDL_ENV = "MLAC_PDL"
 
 
 def use_triton(x: torch.Tensor, requested: bool | None = None) -> bool:
@@ -31,3 +61,43 @@ def use_triton(x: torch.Tensor, requested: bool | None = None) -> bool:
     if requested and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
     return requested
+
+
+PDL_REQUESTED: bool = os.environ.get(PDL_ENV) != "0"  # read once, at import
+
+
+def pdl_supported() -> bool:
+    """Whether this process can launch with PDL: Triton compiling for CUDA (not the interpreter)
+    on a current GPU of compute capability 9.0 or more. Initializes CUDA: call it at a launch."""
+    if not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.cuda is None:
+        return False  # no Triton, the interpreter, or ROCm (no griddepcontrol)
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@functools.cache
+def pdl_on() -> bool:
+    """This process's switch, fixed at its first launch: MLAC_PDL (as read at import) is not "0"
+    and PDL is supported here. Not decided at import, where asking the GPU would initialize CUDA
+    (and a process that initialized CUDA can no longer fork workers)."""
+    return PDL_REQUESTED and pdl_supported()
+
+
+def pdl_launch() -> dict[str, bool]:
+    """The keyword arguments every mlac kernel launch takes: the kernel's `PDL` constexpr and
+    Triton's `launch_pdl` launch option, both `pdl_on()`."""
+    on = pdl_on()
+    return {"PDL": on, "launch_pdl": on}
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A kernel's first statement: with PDL, wait until the previous kernel in the stream has
+        completed (its writes visible), then let the next kernel's CTAs be scheduled."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+else:  # no kernel is defined or launched without Triton
+    pdl_start = None

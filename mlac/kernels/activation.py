@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from mlac.fp8 import BLOCK as GROUP
 from mlac.fp8 import FP8_MAX
-from mlac.kernels._triton import HAS_TRITON, tl, triton
+from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import quantize_act_ref
 from mlac.kernels.fp8_quant import Fp8Act, cast_out, interpreting, quant_groups
@@ -44,10 +44,11 @@ if triton is not None:
     def _silu_mul_kernel(
         x, y, y_scale, stride_x, stride_y, stride_s, I,
         BLOCK: tl.constexpr, EXACT_EXP: tl.constexpr, QUANT: tl.constexpr,
-        GROUP_SIZE: tl.constexpr, FP8_MAX_C: tl.constexpr,
+        GROUP_SIZE: tl.constexpr, FP8_MAX_C: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One program per (row, BLOCK columns of the output). QUANT: y is e4m3, y_scale holds the
         scales of the BLOCK // GROUP_SIZE groups (BLOCK a multiple of GROUP_SIZE). Rounds to x's dtype."""
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < I
@@ -86,7 +87,7 @@ def _silu_mul_launch(x: torch.Tensor, quant: bool) -> tuple[torch.Tensor, torch.
     _silu_mul_kernel[(t, triton.cdiv(i, block))](
         x, y, s if quant else y, x.stride(0), y.stride(0), s.stride(0) if quant else 0, i,
         BLOCK=block, EXACT_EXP=not interpreting(), QUANT=quant,
-        GROUP_SIZE=GROUP, FP8_MAX_C=FP8_MAX, num_warps=4 if block >= 512 else 1,
+        GROUP_SIZE=GROUP, FP8_MAX_C=FP8_MAX, num_warps=4 if block >= 512 else 1, **pdl_launch(),
     )  # fmt: skip
     return y, s
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mlac.kernels._triton import tl, triton
+from mlac.kernels._triton import pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 
 LOG2E = 1.4426950408889634
@@ -117,9 +117,10 @@ if triton is not None:
         qk_scale_log2, GROUP: tl.constexpr,
         DQK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """q/k head dims split as DA (a power of two) + a DB-wide masked tail (DB = 0: none)."""
+        pdl_start(PDL)  # before the early return: see mlac.kernels._triton
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         seq = tl.program_id(2)
@@ -257,7 +258,7 @@ def extend_attention_triton(
         DQK=d_qk, DA=da, DB=db, DV=d_v, BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, STORE_LSE=return_lse,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 in, float32 math (no TF32)
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

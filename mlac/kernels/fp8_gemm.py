@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mlac.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks
+from mlac.kernels._triton import pdl_launch, pdl_start
 from mlac.kernels.fp8_quant import HAS_TRITON, Fp8Act, act_quant, cast_out, jit, round_e4m3, tl, triton
 from mlac.kernels.fp8_quant import use_triton as _use_triton
 
@@ -103,7 +104,9 @@ def _fp8_gemm_kernel(
     EVEN_K: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
     SUB_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -344,6 +347,7 @@ def _launch(
         SUB_K=cfg.sub_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(),
     )
     return out
 

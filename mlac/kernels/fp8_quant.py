@@ -16,7 +16,7 @@ import torch
 
 from mlac.fp8 import BLOCK as GROUP
 from mlac.fp8 import FP8_MAX
-from mlac.kernels._triton import HAS_TRITON, tl, triton, use_triton  # noqa: F401 (re-exported)
+from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton, use_triton  # noqa: F401 (re-exported)
 
 
 def jit(fn=None, *, dynamic: tuple[str, ...] = ()):
@@ -118,8 +118,10 @@ def _act_quant_kernel(
     BLOCK_R: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program: BLOCK_R (row, 128-channel group) pairs, row-major over [M, groups]
+    pdl_start(PDL)
     idx = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]
     row = idx // groups
     g = idx % groups
@@ -163,6 +165,7 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         GROUP_SIZE=GROUP,
         FP8_MAX_C=FP8_MAX,
         num_warps=4,
+        **pdl_launch(),
     )
     return q, s
 

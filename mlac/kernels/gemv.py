@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mlac.fp8 import BLOCK, FP8, FP8_MAX
+from mlac.kernels._triton import pdl_launch, pdl_start
 from mlac.kernels.fp8_gemm import fp8_act_linear_ref, fp8_linear_ref, sm_count, split_k_locks
 from mlac.kernels.fp8_quant import HAS_TRITON, Fp8Act, cast_out, jit, quant_groups, round_e4m3, tl, triton
 
@@ -314,7 +315,9 @@ def _skinny_kernel(
     DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -490,6 +493,7 @@ def skinny_gemm(
         FP8_MAX_C=FP8_MAX,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(),
     )
     return y
 

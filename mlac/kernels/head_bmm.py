@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from mlac.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks, quantize_blocks
-from mlac.kernels._triton import HAS_TRITON, tl, triton
+from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import quantize_act_ref
 from mlac.kernels.fp8_quant import cast_out, interpreting, round_e4m3
@@ -139,7 +139,9 @@ if HAS_TRITON:
         EVEN_K: tl.constexpr,
         UPCAST_DOT: tl.constexpr,  # interpreter only: float32 dot operands (see fp8_quant.interpreting)
         FP8_MAX_C: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         head = tl.program_id(2).to(tl.int64)
@@ -275,6 +277,7 @@ def head_bmm_triton(
         FP8_MAX_C=FP8_MAX,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(),
     )
     return out
 

@@ -21,7 +21,7 @@ from functools import cache
 
 import torch
 
-from mlac.kernels._triton import tl, triton
+from mlac.kernels._triton import pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -94,7 +94,7 @@ if triton is not None:
         DL: tl.constexpr, DR: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, LSE_LOG2: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_H heads of request b over split s of its tokens.
 
@@ -103,6 +103,7 @@ if triton is not None:
         Writes o normalized by its own softmax denominator, and its lse (log2 domain when LSE_LOG2,
         for the merge; natural log otherwise). An empty split writes o = 0, lse = -inf.
         """
+        pdl_start(PDL)  # before the early return: see mlac.kernels._triton
         pid_h = tl.program_id(0)
         b = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -194,10 +195,11 @@ if triton is not None:
         stride_p_b, stride_p_h, stride_p_s, stride_pl_b, stride_pl_h,
         stride_o_b, stride_o_h, stride_lo_b, seq_lens, num_splits,
         MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, DL: tl.constexpr, BLOCK_DL: tl.constexpr,
-        STORE_LSE: tl.constexpr,
+        STORE_LSE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One program per (request, head): o = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max),
         over the splits request b used."""
+        pdl_start(PDL)
         h = tl.program_id(0)
         b = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -352,7 +354,7 @@ def mla_decode_triton(
         HAS_SCALE=has_scale, IS_FP8=is_fp8,
         PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",  # a float32 cache: no TF32
         STORE_LSE=return_lse or num_splits > 1, LSE_LOG2=num_splits > 1,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(),
     )  # fmt: skip
     if num_splits > 1:
         _mla_decode_merge_kernel[(h, b)](
@@ -361,7 +363,7 @@ def mla_decode_triton(
             out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0, seq_lens, num_splits,
             MIN_SPLIT=min_split, BLOCK_S=triton.next_power_of_2(num_splits),
             DL=kv_lora, BLOCK_DL=triton.next_power_of_2(kv_lora), STORE_LSE=return_lse,
-            num_warps=4,
+            num_warps=4, **pdl_launch(),
         )  # fmt: skip
     return (out, lse) if return_lse else out
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mlac.kernels._triton import tl, triton
+from mlac.kernels._triton import pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 
 CACHE_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -81,9 +81,10 @@ if triton is not None:
         H, eps,
         NOPE: tl.constexpr, C: tl.constexpr, HALF: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-        FP8_CACHE: tl.constexpr, FP8_MAX: tl.constexpr,
+        FP8_CACHE: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One program per token: its cache entry, then its q heads in tiles of BLOCK_H."""
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_HALF)
         mask_d = offs_d < HALF
@@ -180,7 +181,7 @@ def mla_prep_triton(
         BLOCK_C=triton.next_power_of_2(c), BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=min(triton.next_power_of_2(h), 16),
         FP8_CACHE=fp8, FP8_MAX=torch.finfo(cache.dtype).max if fp8 else 0.0,
-        num_warps=4,
+        num_warps=4, **pdl_launch(),
     )  # fmt: skip
 
 

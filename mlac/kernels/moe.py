@@ -28,6 +28,13 @@ from mlac.kernels.fp8_quant import (
     triton,
 )
 from mlac.kernels.fp8_quant import use_triton as _use_triton
+from mlac.kernels.moe_decode import (
+    MoeDecodeConfig,
+    moe_decode_down,
+    moe_decode_down_sum,
+    moe_decode_gate_up,
+    pick_moe_decode_config,
+)
 
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 
@@ -519,7 +526,7 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    config: MoeConfig | None = None,
+    config: MoeConfig | MoeDecodeConfig | None = None,
     shared_out: torch.Tensor | None = None,
     x_act: Fp8Act | None = None,
 ) -> torch.Tensor:
@@ -527,7 +534,9 @@ def fused_moe_triton(
 
     Launches: [act_quant, unless x_act is given], moe_align, GEMM1 (+SiLU*up, +FP8 re-quant), GEMM2,
     top-k reduce (+ shared_out, added in float32 before the one rounding). A GEMM split over K
-    (config.split_k) reduces its splits in its own launch.
+    (config.split_k) reduces its splits in its own launch. Decode shapes (a few rows per expert:
+    `pick_moe_decode_config`, or a MoeDecodeConfig given) run moe_decode's GEMVs instead: GEMM1,
+    GEMM2 and top-k reduce, or GEMM2 with the top-k sum in one launch (MoeDecodeConfig.fuse_sum).
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if shared_out is not None:
@@ -542,10 +551,17 @@ def fused_moe_triton(
     if p == 0:
         return out.zero_() if shared_out is None else out.copy_(shared_out)
     fp8 = w13_scale is not None
-    cfg = config or pick_moe_config(p, e, fp8)
+    topk_ids = topk_ids.contiguous()
+    cfg = config or pick_moe_decode_config(p, e, fp8) or pick_moe_config(p, e, fp8)
+    if isinstance(cfg, MoeDecodeConfig):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        h = moe_decode_gate_up(x, w13, topk_ids, w13_scale, x_act if fp8 else None, cfg)
+        if cfg.fuse_sum:
+            return moe_decode_down_sum(h, w2, topk_weights, topk_ids, w2_scale, shared_out, out, cfg)
+        y = moe_decode_down(h, w2, topk_ids, w2_scale, cfg)
+        return _reduce_top_k(y, topk_weights, topk_ids, e, out, shared_out)
     if fp8:
         assert cfg.block_k == cfg.block_n1 == BLOCK, f"FP8 MoE needs 128-wide K and GEMM1 tiles: {cfg}"
-    topk_ids = topk_ids.contiguous()
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids, e, cfg.block_m)
     num_blocks = block_expert.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -641,6 +657,22 @@ def fused_moe_triton(
         EVEN_K=i % cfg.block_k == 0,
         **common,
     )
+    return _reduce_top_k(y, topk_weights, topk_ids, e, out, shared_out)
+
+
+def _reduce_top_k(
+    y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    out: torch.Tensor,
+    shared_out: torch.Tensor | None,
+) -> torch.Tensor:
+    """out [T, D] = sum_j topk_weights[t, j] * y[t * top_k + j] over pairs whose expert is in
+    [0, num_experts) (+ shared_out), summed in float32 and rounded once; rows of y of other pairs
+    are not read. topk_ids contiguous."""
+    t, d = out.shape
+    top_k = topk_ids.shape[1]
     block_d = min(1024, triton.next_power_of_2(d))
     block_t = min(max(1, 4096 // block_d), triton.next_power_of_2(t))
     _moe_reduce_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block_d))](
@@ -651,7 +683,7 @@ def fused_moe_triton(
         out if shared_out is None else shared_out,  # unused without shared_out
         t,
         d,
-        e,
+        num_experts,
         y.stride(0),
         out.stride(0),
         0 if shared_out is None else shared_out.stride(0),
@@ -674,7 +706,7 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     *,
     use_triton: bool | None = None,
-    config: MoeConfig | None = None,
+    config: MoeConfig | MoeDecodeConfig | None = None,
     shared_out: torch.Tensor | None = None,
     x_act: Fp8Act | None = None,
 ) -> torch.Tensor:
@@ -702,6 +734,7 @@ def fused_moe(
 
 __all__ = [
     "MoeConfig",
+    "MoeDecodeConfig",
     "dequantize_blocks",
     "fused_moe",
     "fused_moe_ref",

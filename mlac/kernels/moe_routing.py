@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from mlac.kernels._triton import HAS_TRITON, tl, triton
+from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_quant import interpreting, jit
 from mlac.kernels.moe import TopkMethod, route_ref
@@ -146,7 +146,9 @@ def _route_kernel(
     DROP_NEG_INF: tl.constexpr,  # experts of dropped groups choose as -inf (noaux_tc), else as 0.0
     RENORM: tl.constexpr,  # weights / (sum + 1e-20), before `scale`
     EXACT_EXP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     ok, expert = _expert_tile(N_GROUP, GROUP_SIZE, G_PAD, S_PAD)
     x = tl.load(logits_ptr + t * stride_t + expert, mask=ok, other=0.0).to(tl.float32)
@@ -247,6 +249,7 @@ def route_triton(
         logits.stride(0),
         scale,
         **constexprs,
+        **pdl_launch(),
     )
     return weights, ids
 

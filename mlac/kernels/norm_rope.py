@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mlac.kernels._triton import tl, triton
+from mlac.kernels._triton import pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import BLOCK as QUANT_GROUP
 from mlac.kernels.fp8_gemm import FP8, FP8_MAX, quantize_act_ref
@@ -68,9 +68,10 @@ if triton is not None:
         stride_x, stride_r, stride_y, stride_ro, stride_q, stride_qs,
         D, eps,
         BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_Y: tl.constexpr, QUANT: tl.constexpr,
-        GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+        GROUP: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One program per row (token). `y` has x's dtype (x itself when not STORE_Y)."""
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
@@ -129,7 +130,7 @@ def _rms_norm_launch(x, weight, eps, residual, quant: bool, keep_y: bool = True)
         y_scale.stride(0) if quant else 0,
         d, eps,
         BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, STORE_Y=keep_y, QUANT=quant, GROUP=QUANT_GROUP,
-        FP8_MAX=FP8_MAX, num_warps=min(16, max(1, block_d // 512)),
+        FP8_MAX=FP8_MAX, num_warps=min(16, max(1, block_d // 512)), **pdl_launch(),
     )  # fmt: skip
     if r_out is not None:
         r_out = r_out.view(residual.shape)

@@ -21,19 +21,25 @@ Rank 0 polls these and the liveness of the processes it spawned, so a rank that 
 while loading stops the launch with its message instead of a hang. During steps a dead peer
 breaks the collectives; rank 0 then reads the store (and exit codes) to name the failed rank.
 
-Each step rank 0 broadcasts a header and a payload of int64 over a gloo group of its own (CPU,
-no timeout: ranks wait there while the server idles); the model's collectives run on the
-default group (gloo on CPU, NCCL on CUDA) with the launch timeout.
+Each step rank 0 sends one message of int64 (a header and a payload; encode_step) to the others
+(StepLink): when every rank runs on its node, through a shared-memory ring (shm_channel.py:
+microseconds; rank 0 creates it before "go", puts its name in the store under `channel`, and
+unlinks it once every rank set `attached/<r>`); else, or for a message larger than a slot, or
+with MLAC_STEP_CHANNEL=gloo, by two broadcasts over a gloo group of its own (CPU, no timeout:
+ranks wait there while the server idles). The model's collectives run on the default group
+(gloo on CPU, NCCL on CUDA) with the launch timeout.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -45,6 +51,7 @@ import torch.multiprocessing as mp
 
 from mlac.artifact import ParallelPlan
 from mlac.errors import MlacError
+from mlac.runtime.shm_channel import Alive, ShmChannel
 from mlac.runtime.step import Step
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -52,6 +59,9 @@ IDLE_TIMEOUT = timedelta(days=3650)  # followers wait for the next step as long 
 POLL_S = 0.02
 FAILURE_GRACE_S = 1.0  # after a broken collective: how long to wait for a rank to report why
 STOP, STEP, SPEC = 0, 1, 2  # header opcodes
+CHANNEL_ENV = "MLAC_STEP_CHANNEL"  # "shm" (default: the shared-memory channel on one node) or "gloo"
+
+log = logging.getLogger("mlac.runtime")
 
 
 @dataclass(frozen=True)
@@ -182,7 +192,7 @@ class RankGroup:
         self.store = store  # NOTE: on rank 0 (not under torchrun) this object is the store's server
         self.ctl = dist.PrefixStore("mlac/ctl", store)
         self.procs = procs  # global rank -> the local process running it (spawned by this process)
-        self.control: dist.ProcessGroup | None = None  # gloo group of the step broadcasts
+        self.control: StepLink | None = None  # how the steps go from rank 0 to the others
         self.failed: str | None = None  # why the group stopped (rank 0)
         self.closed = False
 
@@ -223,11 +233,15 @@ class RankGroup:
             timeout = timedelta(seconds=w.timeout_s)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(
                 "mlac/pg", self.store), rank=w.rank, world_size=w.size, timeout=timeout)  # fmt: skip
-            self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+            gloo = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
             part = build(dist.group.WORLD)
             if w.rank == 0:
                 self._wait_all("loaded", expect=geometry(part))
+                self.control = self._open_link(gloo)
                 self.ctl.set("go", "run")
+                if self.control.channel is not None:
+                    self._wait_all("attached")
+                    self.control.channel.unlink()  # mapped by every rank: nothing stays in /dev/shm
                 return part
         except BaseException as e:
             if w.rank == 0:
@@ -240,7 +254,49 @@ class RankGroup:
         if self.ctl.get("go") != b"run":
             self.leave()
             end_process(w, 1)  # another rank failed; rank 0 reports it
+        self.control = self._attach_link(gloo)
         return part
+
+    def _open_link(self, gloo: dist.ProcessGroup) -> StepLink:
+        """Rank 0: the step channel of a one-node world (unless CHANNEL_ENV says gloo, or /dev/shm
+        cannot hold it), its name in the store ("gloo" for none)."""
+        kind, w = os.environ.get(CHANNEL_ENV, "shm"), self.world
+        if kind not in ("shm", "gloo"):
+            raise MlacError(f"{CHANNEL_ENV}={kind}: say shm or gloo")
+        channel = None
+        if kind == "shm" and w.local_size == w.size:
+            try:
+                channel = ShmChannel.create(readers=w.size - 1)
+            except MlacError as e:
+                log.warning("%s; the steps go over gloo", e)
+        self.ctl.set("channel", "gloo" if channel is None else channel.name)
+        return StepLink(gloo, channel, self._followers_alive)
+
+    def _attach_link(self, gloo: dist.ProcessGroup) -> StepLink:
+        """Other ranks: attach to rank 0's step channel (if it made one), tell rank 0."""
+        name = self.ctl.get("channel").decode()
+        try:
+            channel = None if name == "gloo" else ShmChannel.attach(name, reader=self.world.rank - 1)
+        except MlacError as e:
+            raise MlacError(f"{e} (rank 0 sends the steps over gloo with {CHANNEL_ENV}=gloo)") from e
+        self.ctl.set(f"attached/{self.world.rank}", "1")
+        return StepLink(gloo, channel, self._rank_0_alive)
+
+    def _followers_alive(self) -> None:
+        """Rank 0 waiting on the channel: MlacError if a rank it spawned exited (the channel
+        itself watches every reader's pid)."""
+        if any(p.exitcode is not None for p in self.procs.values()):
+            raise MlacError("a rank exited")
+
+    def _rank_0_alive(self) -> None:
+        """Other ranks waiting on the channel: MlacError if rank 0 stopped the ranks or its store
+        went away (the channel itself watches rank 0's pid)."""
+        try:
+            go = self.ctl.get("go")
+        except Exception as e:  # noqa: BLE001  the store went away with rank 0
+            raise MlacError(f"rank 0 went away: {describe(e)}") from e
+        if go != b"run":
+            raise MlacError("rank 0 stopped the ranks")
 
     def _wait_all(self, stage: str, expect: str | None = None) -> None:
         """Rank 0: wait until every other rank set `<stage>/<r>` (equal to `expect` if given)."""
@@ -343,6 +399,8 @@ class RankGroup:
     def leave(self) -> None:
         """Close this process's groups (idempotent); a node's first process also reaps its ranks."""
         self.closed = True
+        if self.control is not None:
+            self.control.close()  # rank 0's also unlinks the channel if no one did
         if dist.is_initialized():
             dist.destroy_process_group()
         self._reap(grace_s=10.0)
@@ -382,21 +440,43 @@ def open_store(world: World) -> dist.Store:
 
 
 # ---- the step broadcast -----------------------------------------------------------------------
-# header int64 [6]: op, every_token, T (new tokens), B (sequences), W (block table width), has ranks
-# payload int64 [T + 3B + B·W (+ B)]: token ids, ctx_lens, q_lens, table lens, block tables
-# (row-major), then the DP-attention ranks of the sequences when the Step has them
+# One message per step, int64: header [7] = op, every_token (SPEC: the op's code), T (new tokens;
+# SPEC: integers), B (sequences), W (block table width), has ranks, N (payload length); then the
+# payload [N]: token ids [T], ctx_lens [B], q_lens [B], table lens [B], block tables [B·W]
+# (row-major, padded), then the DP-attention ranks of the sequences [B] when the Step has them.
+
+HEADER = 7
 
 
-def send_step(group: dist.ProcessGroup, step: Step) -> None:
-    """Rank 0: one forward step, to every rank (on CPU): a header, then the Step's integers."""
+def encode_step(step: Step) -> list[int]:
+    """The message of one forward step (header and payload)."""
     b, width = step.num_seqs, max(len(t) for t in step.block_tables)
-    tables = [list(t) + [0] * (width - len(t)) for t in step.block_tables]  # padded; lens say how far
     lens = [len(t) for t in step.block_tables]
-    header = torch.tensor([STEP, int(step.every_token), len(step.token_ids), b, width, int(bool(step.ranks))])
-    dist.broadcast(header, src=0, group=group)
-    flat = [*step.token_ids, *step.ctx_lens, *step.q_lens, *lens, *(x for row in tables for x in row)]
-    flat += step.ranks
-    dist.broadcast(torch.tensor(flat, dtype=torch.int64), src=0, group=group)
+    tables = [x for t in step.block_tables for x in (*t, *[0] * (width - len(t)))]  # padded; lens say how far
+    payload = [*step.token_ids, *step.ctx_lens, *step.q_lens, *lens, *tables, *step.ranks]
+    return [STEP, int(step.every_token), len(step.token_ids), b, width, int(bool(step.ranks)), len(payload),
+            *payload]  # fmt: skip
+
+
+def encode_spec(code: int, ints: list[int]) -> list[int]:
+    return [SPEC, code, len(ints), 0, 0, 0, len(ints), *ints]
+
+
+def decode(msg: list[int]) -> Step | SpecOp | None:
+    """A message back into what rank 0 encoded: a Step, a SpecOp, or None for stop."""
+    op, every_token, t, b, w, has_ranks, _ = msg[:HEADER]
+    if op == STOP:
+        return None
+    if op == SPEC:
+        return SpecOp(every_token, msg[HEADER : HEADER + t])
+    parts, at = [], HEADER
+    for n in (t, b, b, b, b * w, b if has_ranks else 0):
+        parts.append(msg[at : at + n])
+        at += n
+    ids, ctx_lens, q_lens, lens, tables, ranks = parts
+    rows = [tables[i * w : i * w + n] for i, n in enumerate(lens)]
+    return Step(tuple(ids), tuple(ctx_lens), tuple(q_lens), tuple(map(tuple, rows)), bool(every_token),
+                tuple(ranks))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -407,32 +487,57 @@ class SpecOp:
     ints: list[int]
 
 
-def send_spec(group: dist.ProcessGroup, code: int, ints: list[int]) -> None:
-    """Rank 0: one speculative-decoding op, to every rank (on CPU): a header, then its integers."""
-    dist.broadcast(torch.tensor([SPEC, code, len(ints), 0, 0, 0]), src=0, group=group)
-    dist.broadcast(torch.tensor(ints, dtype=torch.int64), src=0, group=group)
+class StepLink:
+    """How rank 0's step messages reach the other ranks: through the node's shared-memory channel
+    (shm_channel.py) when every rank runs on rank 0's node, else by two broadcasts over the gloo
+    `group`, header then payload. A message larger than a channel slot goes over gloo too (the
+    channel tells the readers so). `alive` raises when the other side is gone (RankGroup)."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, channel: ShmChannel | None = None, alive: Alive = lambda: None
+    ):
+        self.group = group
+        self.channel = channel
+        self.alive = alive
+
+    def send(self, msg: list[int]) -> None:
+        """Rank 0: one message to every other rank."""
+        if self.channel is not None and self.channel.write(array("q", msg), self.alive):
+            return
+        dist.broadcast(torch.tensor(msg[:HEADER]), src=0, group=self.group)
+        if len(msg) > HEADER:
+            dist.broadcast(torch.tensor(msg[HEADER:], dtype=torch.int64), src=0, group=self.group)
+
+    def recv(self) -> list[int]:
+        """Other ranks: the next message."""
+        if self.channel is not None and (data := self.channel.read(self.alive)) is not None:
+            return memoryview(data).cast("q").tolist()
+        header = torch.empty(HEADER, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.group)
+        payload = torch.empty(int(header[-1]), dtype=torch.int64)
+        if payload.numel():
+            dist.broadcast(payload, src=0, group=self.group)
+        return header.tolist() + payload.tolist()
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
 
 
-def send_stop(group: dist.ProcessGroup) -> None:
-    dist.broadcast(torch.tensor([STOP, 0, 0, 0, 0, 0]), src=0, group=group)
+def send_step(link: StepLink, step: Step) -> None:
+    """Rank 0: one forward step, to every rank (on CPU)."""
+    link.send(encode_step(step))
 
 
-def recv_step(group: dist.ProcessGroup) -> Step | SpecOp | None:
+def send_spec(link: StepLink, code: int, ints: list[int]) -> None:
+    """Rank 0: one speculative-decoding op, to every rank (on CPU)."""
+    link.send(encode_spec(code, ints))
+
+
+def send_stop(link: StepLink) -> None:
+    link.send([STOP, 0, 0, 0, 0, 0, 0])
+
+
+def recv_step(link: StepLink) -> Step | SpecOp | None:
     """Other ranks: the next Step (or SpecOp) as rank 0 sent it, None on stop."""
-    header = torch.empty(6, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=group)
-    op, every_token, t, b, w, has_ranks = header.tolist()
-    if op == STOP:
-        return None
-    if op == SPEC:  # every_token: the op's code; t: how many integers follow
-        ints = torch.empty(t, dtype=torch.int64)
-        dist.broadcast(ints, src=0, group=group)
-        return SpecOp(every_token, ints.tolist())
-    r = b if has_ranks else 0
-    payload = torch.empty(t + 3 * b + b * w + r, dtype=torch.int64)
-    dist.broadcast(payload, src=0, group=group)
-    parts = (p.tolist() for p in payload.split([t, b, b, b, b * w, r]))
-    ids, ctx_lens, q_lens, lens, tables, ranks = parts
-    rows = [tables[i * w : i * w + n] for i, n in enumerate(lens)]
-    return Step(tuple(ids), tuple(ctx_lens), tuple(q_lens), tuple(map(tuple, rows)), bool(every_token),
-                tuple(ranks))  # fmt: skip
+    return decode(link.recv())

@@ -48,17 +48,32 @@ def capture_buckets(
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], object]:
     """({bucket: graph}, pool): `step(bs)` captured for every bucket, largest first, into one memory
     pool (`pool`: another capture's, to share it). Each bucket runs once eagerly first (on padding
-    rows), so that every kernel is compiled and every lazily made buffer exists before capture."""
+    rows), so that every kernel is compiled and every lazily made buffer exists before capture.
+
+    Other threads may run CUDA work meanwhile, on their own streams (the weights' load, see
+    runner.build_runner): the capture is thread-local ("thread_local" mode: their calls are not
+    the capture's), its allocations alone go to the graphs' pool, and it waits for this thread's
+    stream only, never the device (torch.cuda.graph would synchronize the device at each bucket:
+    wait for the load's queued copies). NOTE: nor does it empty the allocator's cache: the eager
+    steps' activations stay cached beside the pool, as the memory plan counts them (activations
+    and the graph pool at once); torch.cuda.graph freed them only to hold the next step's."""
     graphs = {}
+    stream = torch.cuda.Stream()  # captures run on a side stream, as torch.cuda.graph's do
     for bs in reversed(buckets):
         step(bs)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            step(bs)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                step(bs)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
         pool = graph.pool()
         graphs[bs] = graph
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     return graphs, pool
 
 

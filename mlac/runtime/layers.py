@@ -27,6 +27,8 @@ class Weights:
 
     `take` fails on a missing tensor; `finish` fails on any tensor nobody took, so a model and
     an artifact that disagree about the tensor set are refused at construction, not at run time.
+    NOTE: the tensors may still be loading (loader.start_load: the CUDA graphs are captured while
+    they stream in): a module keeps what it takes and computes nothing from its values.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], source: str = "artifact"):

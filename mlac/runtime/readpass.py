@@ -11,7 +11,11 @@ hash and read at the same time. Where the bytes land:
 
 A file's bytes become one uint8 tensor on the device (or are only hashed, for files that hold no
 tensors); `finish` turns that tensor into the caller's result once every byte is in place and, with
-`verify`, the file's sha256 matched the manifest.
+`verify`, the file's sha256 matched the manifest. A caller that allocated the file's place itself
+(`FileRead.dest`, cpu or cuda) can run the pass in the background (`ReadPass.start`, then `join`)
+while it does other work on the main thread (loader.start_load: the CUDA graphs are captured
+meanwhile). A pass's streams and events are made by the thread that makes the ReadPass; each
+reader pins its staging first thing, and `start` returns once all have.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import hashlib
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -47,13 +52,16 @@ def default_threads(local_ranks: int = 1) -> int:
 @dataclass(frozen=True)
 class FileRead:
     """One file of the pass. `finish` gets the file's bytes on the device (a uint8 tensor of `size`)
-    and returns the caller's result; None: the file is only hashed (it is not read without verify)."""
+    and returns the caller's result; None: the file is only hashed (it is not read without verify).
+    `dest`: where the bytes go (uint8 [size] on the pass's device, cpu or cuda), allocated by the
+    caller with no work pending on it in any stream; None: the pass allocates it."""
 
     path: Path
     rel: str  # the manifest's path, for messages
     size: int
     sha256: str
     finish: Callable[[torch.Tensor], Any] | None
+    dest: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -72,25 +80,84 @@ def read_files(
     """Read, hash (with `verify`) and place every file; raise MlacError naming the first file that
     is short or whose sha256 does not match. Sizes were checked before: a file that shrinks while it
     is read is reported as truncated."""
-    todo = [f for f in files if f.finish is not None or verify]
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if not todo:
-        return PassResult({}, 0)
-    chunk = max(1, min(chunk or CHUNK, max(f.size for f in todo)))
-    lanes = [_Lane(device, chunk) for _ in range(max(1, min(threads or default_threads(), len(todo))))]
-    work: queue.SimpleQueue[FileRead] = queue.SimpleQueue()
-    for f in sorted(todo, key=lambda f: -f.size):  # largest first: the threads finish together
-        work.put(f)
-    stop = threading.Event()
-    with ThreadPoolExecutor(len(lanes), thread_name_prefix="mlac-load") as pool:
-        futures = [pool.submit(lane.drain, work, verify, stop) for lane in lanes]
-        done = [f.exception() or f.result() for f in futures]
-    errors = [d for d in done if isinstance(d, BaseException)]
-    if errors:
-        raise errors[0]
-    results = {rel: r for d in done for rel, r in d.items()}
-    return PassResult(results, sum(f.size for f in todo))
+    return ReadPass(files, device, verify, threads, chunk).run()
+
+
+class ReadPass:
+    """One pass over `files` (read_files), run here (`run`) or on a background thread (`start`,
+    then `join`, or `cancel`). Its lanes' streams and events are made here, on the calling
+    thread; each reader pins its staging on its own thread, first thing."""
+
+    def __init__(
+        self,
+        files: list[FileRead],
+        device: torch.device,
+        verify: bool,
+        threads: int | None = None,
+        chunk: int | None = None,
+    ):
+        self.todo = [f for f in files if f.finish is not None or verify]
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.verify = verify
+        self.stop = threading.Event()
+        self.work: queue.SimpleQueue[FileRead] = queue.SimpleQueue()
+        for f in sorted(self.todo, key=lambda f: -f.size):  # largest first: the threads finish together
+            self.work.put(f)
+        chunk = max(1, min(chunk or CHUNK, max((f.size for f in self.todo), default=1)))
+        n = max(1, min(threads or default_threads(), len(self.todo)))
+        self.lanes = [_Lane(device, chunk) for _ in range(n)] if self.todo else []
+        self.finished_at: float | None = None  # perf_counter() when the last reader thread ended
+        self._outcomes: list[Any] = []
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> PassResult:
+        """The whole pass on this thread's pool of readers; raise its first error."""
+        self._drain()
+        return self._result()
+
+    def start(self) -> None:
+        """Run the pass on a background thread; `join` (or `cancel`) must follow. Returns once
+        every reader holds its pinned staging: no host memory is pinned after it (not while the
+        caller captures a CUDA graph)."""
+        self._thread = threading.Thread(target=self._drain, name="mlac-load-pass", daemon=True)
+        self._thread.start()
+        for lane in self.lanes:
+            lane.staged.wait()
+
+    def join(self) -> PassResult:
+        """Wait for `start`'s pass; raise its first error (MlacError: a short or modified file)."""
+        assert self._thread is not None, "join() without start()"
+        self._thread.join()
+        return self._result()
+
+    def cancel(self) -> None:
+        """Stop the readers after their current chunk and wait for them (errors dropped): nothing
+        writes the destinations afterwards."""
+        self.stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _drain(self) -> None:
+        try:
+            self._outcomes = self._run_lanes() if self.lanes else []
+        finally:
+            for lane in self.lanes:
+                lane.staged.set()  # NOTE: `start` waits on them, whatever happened
+            self.finished_at = time.perf_counter()
+
+    def _run_lanes(self) -> list[Any]:
+        """Every lane on a thread of its own: what each returned, or its exception."""
+        with ThreadPoolExecutor(len(self.lanes), thread_name_prefix="mlac-load") as pool:
+            futures = [pool.submit(lane.drain, self.work, self.verify, self.stop) for lane in self.lanes]
+            return [f.exception() or f.result() for f in futures]
+
+    def _result(self) -> PassResult:
+        errors = [d for d in self._outcomes if isinstance(d, BaseException)]
+        if errors:
+            raise errors[0]
+        results = {rel: r for d in self._outcomes for rel, r in d.items()}
+        return PassResult(results, sum(f.size for f in self.todo))
 
 
 def read_exact(fd: int, view: memoryview, offset: int, rel: str) -> None:
@@ -113,12 +180,18 @@ class _Lane:
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.turn = 0
+        self.staged = threading.Event()  # set once the lane's staging exists (or it failed first)
 
     def drain(self, work: queue.SimpleQueue, verify: bool, stop: threading.Event) -> dict[str, Any]:
         """Read files from `work` until it is empty (or another thread failed)."""
         out: dict[str, Any] = {}
         try:
             with torch.cuda.device(self.device) if self.cuda else nullcontext():
+                try:
+                    if self.cuda:  # pinned first, the lanes in parallel (ReadPass.start waits for it)
+                        self._staging(1)
+                finally:
+                    self.staged.set()
                 while not stop.is_set():
                     try:
                         f = work.get_nowait()
@@ -131,7 +204,7 @@ class _Lane:
         return {rel: r for rel, r in out.items() if r is not _SKIPPED}
 
     def _file(self, f: FileRead, verify: bool, stop: threading.Event) -> Any:
-        dest = None if f.finish is None else self._destination(f.size)
+        dest = f.dest if f.dest is not None or f.finish is None else self._destination(f.size)
         h = hashlib.sha256() if verify else None
         try:
             fd = os.open(f.path, os.O_RDONLY)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from mlac.runtime.dp_graphs import DPDecodeGraphs
 from mlac.runtime.graphs import DecodeGraphs
 from mlac.runtime.kv_cache import DEFAULT_KV_SCALE, ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Weights
-from mlac.runtime.loader import check_files, load_artifact
+from mlac.runtime.loader import check_files, load_artifact, start_load
 from mlac.runtime.memory_plan import KVPlan, bucket_plan, check_max_model_len, plan_ranks
 from mlac.runtime.model import DeepseekModel
 from mlac.runtime.parallel import SINGLE, ParallelContext
@@ -58,6 +59,7 @@ log = logging.getLogger("mlac.runtime")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 GRAPH_DTYPES = (torch.bfloat16, torch.float16)  # every kernel of the step is a Triton one
+LOAD_OVERLAP_ENV = "MLAC_LOAD_OVERLAP"  # "0": load, then build and capture (the A/B of the overlap)
 
 
 class ModelRunner:
@@ -77,7 +79,8 @@ class ModelRunner:
         self.cache = cache
         self.graphs = graphs
         self.dp = dp
-        # what the start cost, for the start-up log: load_s, load_gb (build_runner), graphs_s
+        # what the start cost, for the start-up log (build_runner): load_s, load_gb, graphs_s, and
+        # with the overlap load_graphs_s (the wall of the two together)
         self.startup = startup or {}
         self.draft_graphs: DraftGraphs | None = None  # speculative decoding's MTP steps (spec_graphs.py)
         self._spec: SpecExecutor | None = None
@@ -160,7 +163,9 @@ class RuntimeOptions:
     `make_cache`; on CUDA with neither, the memory plan under `gpu_memory_utilization`, see
     `plan_kv`), the longest context (`max_model_len`, default the model's) and the CUDA graphs of
     decode steps (on CUDA, in a GRAPH_DTYPES compute dtype: float32 runs parts of the step through
-    torch references that cannot be captured)."""
+    torch references that cannot be captured). `load_overlap` (default: on unless the environment
+    sets MLAC_LOAD_OVERLAP=0): the weights stream in while the model is built and its graphs are
+    captured (build_runner); off: load, then build."""
 
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -171,6 +176,7 @@ class RuntimeOptions:
     max_model_len: int | None = None
     draft_layers: int = 0  # KV pools for the MTP layers (speculative decoding, spec_decode.py)
     dp_attention: bool | None = None  # what the launch expects of the artifact's plan (None: any)
+    load_overlap: bool = field(default_factory=lambda: os.environ.get(LOAD_OVERLAP_ENV, "1") != "0")
 
     def __post_init__(self) -> None:
         if not 1 <= self.cuda_graph_max_bs <= MAX_GRAPH_BS:
@@ -294,26 +300,71 @@ def build_runner(
     job: RankJob, rank: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None
 ) -> ModelRunner:
     """Rank `rank`'s model (from its own files only) and a KV cache, on `device` (default job.device);
-    `group` joins the ranks of a multi-rank artifact (None for one rank)."""
-    device = job.device if device is None else device
+    `group` joins the ranks of a multi-rank artifact (None for one rank).
+
+    With job.options.load_overlap on cpu or cuda the load runs in the background (loader.start_load)
+    while this thread builds the model on the tensors' final addresses and captures the CUDA graphs
+    (every rank at once, as without the overlap); then the load is joined: a short or modified file
+    raises its MlacError here (nothing is served), else the derived tensors are recomputed in place
+    and every tensor holds its value before anything replays a graph or runs a step. Without it:
+    load, then build."""
+    device = torch.device(job.device if device is None else device)
+    if job.options.load_overlap and device.type in ("cpu", "cuda"):
+        return _build_while_loading(job, rank, group, device)
     loaded = load_artifact(job.path, rank=rank, device=device, dtype=job.dtype, verify=job.verify)
-    startup = {"load_s": loaded.stats.seconds, "load_gb": loaded.stats.bytes / 1e9}
-    cfg, plan = loaded.manifest.model, loaded.manifest.plan
+    runner = _assemble(job, rank, group, device, loaded.manifest, loaded.tensors)
+    runner.startup.update(load_s=loaded.stats.seconds, load_gb=loaded.stats.bytes / 1e9)
+    return runner
+
+
+def _build_while_loading(
+    job: RankJob, rank: int, group: dist.ProcessGroup | None, device: torch.device
+) -> ModelRunner:
+    """build_runner with the load in the background: _assemble on the pending tensors, then join."""
+    start = time.perf_counter()
+    pending = start_load(job.path, rank=rank, device=device, dtype=job.dtype, verify=job.verify)
+    try:
+        runner = _assemble(job, rank, group, device, pending.manifest, pending.tensors)
+    except BaseException:
+        pending.cancel()  # NOTE: the readers stop before the tensors they write are freed
+        raise
+    try:
+        loaded = pending.join()
+    except BaseException:
+        runner.release_graphs()  # captured on bytes that failed their check: never replayed
+        raise
+    wall = time.perf_counter() - start  # load and capture together
+    runner.startup.update(load_s=loaded.stats.seconds, load_gb=loaded.stats.bytes / 1e9, load_graphs_s=wall)
+    return runner
+
+
+def _assemble(
+    job: RankJob,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    manifest: Manifest,
+    tensors: dict[str, torch.Tensor],
+) -> ModelRunner:
+    """The runner over `tensors` (their values maybe still loading: nothing here reads them but the
+    captures' forwards, whose graphs keep only addresses): model, KV cache, CUDA graphs."""
+    cfg, plan = manifest.model, manifest.plan
     ctx = SINGLE if group is None else ParallelContext(rank, plan.tp, plan.ep, group)
     source = job.path if plan.world_size == 1 else f"{job.path} (rank {rank})"
-    model = DeepseekModel(cfg, Weights(loaded.tensors, source=source), ctx, plan.dp_attention)
+    model = DeepseekModel(cfg, Weights(tensors, source=source), ctx, plan.dp_attention)
     dp = DPRank(rank, plan.tp, group) if plan.dp_attention else None
     o = job.options
-    kv_dtype, kv_scales = loaded.manifest.options.kv_cache_dtype, loaded.manifest.quantization.kv_scales
+    kv_dtype, kv_scales = manifest.options.kv_cache_dtype, manifest.quantization.kv_scales
     cache = make_cache(
         cfg, device, job.dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype, kv_scales,
         o.draft_layers,
     )  # fmt: skip
+    startup: dict[str, float] = {}
     graphs = draft = None
     if o.graphs_on(device, job.dtype):
         start = time.perf_counter()
         max_context = min(o.max_model_len or cfg.max_position_embeddings, cache.capacity_tokens)
-        buckets = o.graph_buckets(loaded.manifest)  # under DP attention: rows per rank
+        buckets = o.graph_buckets(manifest)  # under DP attention: rows per rank
         if dp is None:
             graphs = DecodeGraphs(model, cache, buckets, max_context, keep_hidden=o.draft_layers > 0)
         else:

@@ -7,9 +7,10 @@
     engine_client.py  the engine in its own process, the server's side (EngineClient, FrontEngine)
     engine_child.py   the engine in its own process, the engine's side (the pipe's messages)
     engine_process.py the engine's process itself: started first, configured, closed (imports nothing heavy)
+    engine_start.py   loading the engine (either process), the start-up record and line (no HTTP stack)
     render.py     OpenAI response bodies and server-sent events
     app.py        the routes; create_app wires them into a FastAPI app
-    launch.py     loading the engine, uvicorn, signals and the drain; ServerThread for tests
+    launch.py     uvicorn, signals and the drain; ServerThread for tests
     reasoning.py  --reasoning-parser deepseek_r1: <think> text split into reasoning_content
     tools.py      --tool-call-parser deepseek_v3: tool calls parsed out of chat answers
     tool_choice.py  tools and tool_choice resolved per request; the Lark grammar of a forced call
@@ -54,7 +55,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlac.runtime.serve.config import ServerConfig, api_key_from_env
-    from mlac.runtime.serve.launch import ServerThread, load_engine, serve
+    from mlac.runtime.serve.engine_start import load_engine
+    from mlac.runtime.serve.launch import ServerThread, serve
 
 __all__ = ["ServerConfig", "ServerThread", "api_key_from_env", "load_engine", "serve"]
 
@@ -62,7 +64,7 @@ __all__ = ["ServerConfig", "ServerThread", "api_key_from_env", "load_engine", "s
 # engine_process, which `mlac serve` imports before anything else to start the engine's process
 # early) must not import torch and FastAPI through this file.
 _HOME = {"ServerConfig": "config", "api_key_from_env": "config", "ServerThread": "launch",
-         "load_engine": "launch", "serve": "launch"}  # fmt: skip
+         "load_engine": "engine_start", "serve": "launch"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

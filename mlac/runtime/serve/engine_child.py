@@ -29,7 +29,7 @@ from typing import Any
 from mlac.errors import MlacError
 from mlac.runtime.scheduler import Delta
 from mlac.runtime.serve.config import ServerConfig
-from mlac.runtime.serve.launch import GIL_SWITCH_INTERVAL_S, load_engine, log_to_stderr
+from mlac.runtime.serve.engine_start import GIL_SWITCH_INTERVAL_S, load_engine, log_to_stderr
 from mlac.runtime.serve.loop import EngineLoop, encode_error
 from mlac.runtime.serve.metrics import MetricsRecorder
 
@@ -80,7 +80,7 @@ class PipeOutlet:
 def run(
     conn: Connection, config: ServerConfig, log_level: str, load: Callable[[], Any] | None = None
 ) -> None:
-    """The engine process's life: load (`load()`, default launch.load_engine(config), on the engine
+    """The engine process's life: load (`load()`, default engine_start.load_engine(config), on the engine
     thread), then apply the server's messages until it says stop or goes away; then stop the
     engine (what is left ends with an error)."""
     log_to_stderr(log_level)

@@ -25,71 +25,17 @@ from mlac.errors import MlacError
 from mlac.runtime.serve.app import ServerState, create_app
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_client import EngineClient
+from mlac.runtime.serve.engine_start import (  # noqa: F401  (load_engine, startup_line: re-exported)
+    GIL_SWITCH_INTERVAL_S,
+    load_engine,
+    log_to_stderr,
+    record_startup,
+    startup_line,
+)
 
 log = logging.getLogger("mlac.server")
 
 DRAIN_GRACE = 5.0  # seconds after the drain timeout for the error answers to be written
-GIL_SWITCH_INTERVAL_S = 0.0002  # see serve()
-
-
-def load_engine(config: ServerConfig):
-    """Engine.from_artifact as the config says (runs on the engine thread), then the warm-up;
-    fills engine.startup (the phases, see startup_line, also in /health) and logs startup_line."""
-    import torch
-
-    from mlac.runtime.engine import Engine
-
-    start = time.monotonic()
-    engine = Engine.from_artifact(
-        config.artifact, device=config.device, dtype=getattr(torch, config.dtype), verify=config.verify,
-        num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes, launch=config.launch,
-        scheduler_config=config.scheduler, cuda_graph=config.cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
-        gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len,
-        kernel_cache="require" if config.require_prepared else "use", dp_attention=config.dp_attention,
-    )  # fmt: skip
-    if config.chat_template is not None and engine.tokenizer is not None:
-        engine.tokenizer.use_chat_template(config.chat_template)
-    warm = time.monotonic()
-    if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
-        try:
-            engine.warmup()
-        except BaseException:
-            engine.close()
-            raise
-    origin = start if config.process_start is None else config.process_start
-    record_startup(engine, start - origin, time.monotonic() - warm, time.monotonic() - origin)
-    log.info(startup_line(engine.startup, verified=config.verify, kv_dtype=engine.cache.kv_dtype))
-    return engine
-
-
-def record_startup(engine, import_s: float, warmup_s: float, ready_s: float) -> None:
-    """Add the server's phases and the engine's sizes to engine.startup (seconds rounded to ms)."""
-    graphs = engine.runner.graphs
-    kv_tokens = sum(p.capacity_tokens for p in engine.runner.kv_pools)  # every DP-attention rank's
-    engine.startup.update(
-        import_s=import_s, warmup_s=warmup_s, ready_s=ready_s, kv_tokens=kv_tokens,
-        max_context=engine.max_context, graph_buckets=len(graphs.buckets) if graphs is not None else 0,
-        graph_max_bs=max(graphs.buckets) if graphs is not None else 0,
-    )  # fmt: skip
-    engine.startup.update({k: round(v, 3) for k, v in engine.startup.items() if isinstance(v, float)})
-
-
-def startup_line(s: dict, verified: bool, kv_dtype: str) -> str:
-    """The one start-up summary line of engine.startup, e.g. `ready in 9.8 s: import 1.2 s,
-    verify+load 3.1 s (31.4 GB, 10.1 GB/s), graphs 1.9 s (20 buckets), warm-up 2.0 s; KV cache
-    812,032 tokens (fp8_e4m3), max context 163,840, CUDA graphs up to batch 256`."""
-    gbps = s["load_gb"] / max(s["load_s"], 1e-9)
-    what = "verify+load" if verified else "load"
-    load = f"{what} {s['load_s']:.1f} s ({s['load_gb']:.1f} GB, {gbps:.1f} GB/s)"
-    graphs = (
-        f"graphs {s['graphs_s']:.1f} s ({s['graph_buckets']} buckets)" if s["graph_buckets"] else "graphs off"
-    )
-    upto = f"up to batch {s['graph_max_bs']}" if s["graph_buckets"] else "off"
-    return (
-        f"ready in {s['ready_s']:.1f} s: import {s['import_s']:.1f} s, {load}, {graphs}, "
-        f"warm-up {s['warmup_s']:.1f} s; KV cache {s['kv_tokens']:,} tokens ({kv_dtype}), "
-        f"max context {s['max_context']:,}, CUDA graphs {upto}"
-    )
 
 
 def check_port(host: str, port: int) -> None:
@@ -105,17 +51,6 @@ def check_port(host: str, port: int) -> None:
                     f"port {port} is in use (on {host}): stop what holds it or pick another --port"
                 ) from None
             raise MlacError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
-def log_to_stderr(level: str) -> None:
-    """mlac's loggers (mlac.server, mlac.runtime, ...) print to stderr at `level` (--log-level),
-    as uvicorn's do and with the time, unless the application gave them a handler already."""
-    root = logging.getLogger("mlac")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(asctime)s %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(level.upper())
 
 
 class DrainingServer(uvicorn.Server):
