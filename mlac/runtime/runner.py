@@ -127,6 +127,8 @@ class ModelRunner:
         if self.graphs is not None or self.draft_graphs is not None:
             torch.cuda.synchronize()
             self.graphs = self.draft_graphs = None
+            if self._spec is not None:
+                self._spec.release_graphs()  # its chain graphs (spec_chain.py), in the same pool
 
 
 def make_cache(

@@ -260,6 +260,11 @@ class SpecExecutor:
                 self.chains[k] = graphs
         return graphs if graphs is not None and graphs.can_run(num_seqs) else None
 
+    def release_graphs(self) -> None:
+        """Drop the ChainGraphs (ModelRunner.release_graphs: before the process group goes). Only
+        the runner's end calls it: the sequences' states in their rows go with them."""
+        self.chains, self.resident, self.resident_in = {}, (), None
+
     @torch.inference_mode()
     def prepare(self, k: int) -> None:
         """Make the ChainGraphs of K = k now (captured on a GPU: every rank at once, in this op)."""
