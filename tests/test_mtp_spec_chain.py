@@ -272,3 +272,18 @@ def test_captured_chain_equals_its_eager_body(artifact, monkeypatch, fp8):
         finally:
             chain.graphs = captured
         assert replayed == padded_eager, f"batch {n}"
+
+
+def test_release_graphs_drops_the_chains_and_their_states(artifact):
+    eng = graph_engine(artifact, 2)
+    sched = eng.scheduler()  # prepares the chain
+    ex = eng.runner.spec_executor()
+    assert set(ex.chains) == {2}
+    for p in prompts(2):
+        sched.add(eng.new_sequence(p, SamplingParams(max_tokens=12, ignore_eos=True)))
+    for _ in range(4):
+        sched.step()
+    assert ex.resident and ex.resident_in is ex.chains[2]
+    sched.abort_all()
+    ex.release_graphs()
+    assert ex.chains == {} and ex.resident == () and ex.resident_in is None
