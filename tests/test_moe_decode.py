@@ -62,7 +62,21 @@ def _x(t: int, d: int, seed: int) -> torch.Tensor:
     return torch.randn(t, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEV)
 
 
+def _decode_config(pairs: int, e: int, fp8: bool) -> dec_mod.MoeDecodeConfig | None:
+    """The default where the decode kernel takes the shape by default (one token), else the tiles
+    the kernel runs such a shape with when asked (tensor cores with several rows per expert, else
+    GEMM2 per token with the top-k sum): the kernel stays correct past its default's reach."""
+    default = dec_mod.pick_moe_decode_config(pairs, e, fp8)
+    if default is not None or not dec_mod.ENABLED:  # switched off: the grouped path, as asked
+        return default
+    if pairs > e:
+        return dec_mod.MoeDecodeConfig(64, 64, 128, 1, num_warps=4, num_stages=4, dot=True)
+    return dec_mod.MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=True)
+
+
 def _run(x, w13, w2, weights, ids, s13, s2, config=None, **kw):
+    if config is None:
+        config = _decode_config(ids.numel(), w13.shape[0], s13 is not None)
     with _util.poisoned_empty():
         return moe_mod.fused_moe(x, w13, w2, weights, ids, s13, s2, use_triton=True, config=config, **kw)
 
@@ -94,7 +108,6 @@ def test_decode_matches_reference(t, e, top_k, d, i, n_invalid, fp8, monkeypatch
     w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t * 31 + d)
     weights, ids = _routing(t, e, top_k, seed=t + i, n_invalid=n_invalid)
     x = _x(t, d, seed=t)
-    assert moe_mod.pick_moe_decode_config(ids.numel(), e, fp8) is not None
     ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
     _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2), ref)
 
@@ -186,9 +199,13 @@ def test_decode_no_local_expert_gives_shared_out(monkeypatch):
 
 
 def test_pick_decode_config_bounds(monkeypatch):
-    """Decode shapes only: <= MAX_PAIRS pairs and <= 4 rows per expert; the switch turns it off."""
+    """By default one token's top-k only (measured: the grouped GEMMs win from 4 tokens on); the
+    switch turns it off."""
     assert dec_mod.pick_moe_decode_config(6, 64, fp8=True).fuse_sum  # V2-Lite batch 1
-    assert dec_mod.pick_moe_decode_config(192, 64, fp8=False).dot  # batch 32: 3 rows per expert
+    assert dec_mod.pick_moe_decode_config(6, 64, fp8=False).dot
+    assert dec_mod.pick_moe_decode_config(8, 256, fp8=True) is not None  # V3 batch 1
+    assert dec_mod.pick_moe_decode_config(12, 64, fp8=False) is None  # batch 2
+    assert dec_mod.pick_moe_decode_config(192, 64, fp8=False) is None  # batch 32
     assert dec_mod.pick_moe_decode_config(300, 256, fp8=True) is None  # too many pairs
     assert dec_mod.pick_moe_decode_config(64 * 6, 64, fp8=True) is None  # prefill-like rows per expert
     assert dec_mod.pick_moe_decode_config(40, 8, fp8=True) is None
@@ -283,7 +300,6 @@ def test_gpu_decode_in_cuda_graph(fp8, t):
     w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t)
     weights, ids = _routing(t, e, top_k, seed=t + 1)
     x = _x(t, d, seed=t + 2)
-    assert moe_mod.pick_moe_decode_config(ids.numel(), e, fp8) is not None
 
     def call():
         return moe_mod.fused_moe(x, w13, w2, weights, ids, s13, s2)

@@ -49,6 +49,9 @@ class SkinnyConfig:
 # (skinny_applies then declines). Shapes not here use default_config. From benchmarks/bench_gemv.py
 # on one H200 (benchmarks/results/gemv_h200.json): a config is kept where it beat the baseline by
 # >= 3% summed over the class's M; the comment gives the mean time per call, skinny vs baseline.
+# FP8: None throughout. Alone the skinny GEMM won most FP8 shapes by 3-20%, but inside the V2-Lite
+# decode step fp8_gemm on the norm's Fp8Act was faster (batch 1: 330.7 against 317.3 tok/s, batch 32
+# equal; MLAC_SKINNY_GEMM=0 A/B in benchmarks/results/ab_pdl_skinny_h200_run.txt).
 _C = SkinnyConfig  # (block_n, block_k, split_k, num_warps, num_stages, dot)
 TUNED: dict[tuple[str, int, int, int], SkinnyConfig | None] = {
     ("bf16", 576, 2048, 1): _C(16, 256, 8, 4, 4, False),  # M=1: 4.36 us vs 6.05
@@ -90,45 +93,45 @@ TUNED: dict[tuple[str, int, int, int], SkinnyConfig | None] = {
     ("bf16", 24576, 1536, 1): _C(64, 128, 1, 4, 4, False),  # M=1: 20.56 us vs 21.58
     ("bf16", 24576, 1536, 4): _C(64, 128, 1, 4, 4, True),  # M=2,4: 20.91 us vs 21.77
     ("bf16", 24576, 1536, 16): None,  # M=8,16: cublas 21.55 us, skinny 21.35
-    ("fp8", 576, 2048, 1): _C(64, 128, 16, 8, 4, False),  # M=1: 4.25 us vs 5.02
-    ("fp8", 576, 2048, 4): _C(32, 128, 8, 4, 4, True),  # M=2,4: 4.43 us vs 5.08
-    ("fp8", 576, 2048, 16): _C(32, 128, 8, 4, 4, True),  # M=8,16: 4.62 us vs 5.27
-    ("fp8", 576, 7168, 1): _C(32, 128, 16, 4, 4, True),  # M=1: 5.79 us vs 6.68
-    ("fp8", 576, 7168, 4): _C(32, 128, 16, 4, 4, True),  # M=2,4: 5.86 us vs 6.83
-    ("fp8", 576, 7168, 16): _C(32, 128, 16, 4, 4, True),  # M=8,16: 6.06 us vs 7.14
-    ("fp8", 1536, 7168, 1): _C(32, 128, 8, 4, 4, True),  # M=1: 7.34 us vs 7.81
-    ("fp8", 1536, 7168, 4): _C(32, 128, 8, 4, 4, True),  # M=2,4: 7.45 us vs 7.93
-    ("fp8", 1536, 7168, 16): _C(32, 128, 8, 4, 4, True),  # M=8,16: 7.65 us vs 8.47
-    ("fp8", 2048, 1408, 1): _C(64, 128, 4, 4, 4, True),  # M=1: 4.75 us vs 5.89
-    ("fp8", 2048, 1408, 4): _C(64, 128, 4, 4, 4, True),  # M=2,4: 4.83 us vs 6.04
-    ("fp8", 2048, 1408, 16): _C(64, 128, 4, 4, 4, True),  # M=8,16: 4.99 us vs 6.38
-    ("fp8", 2048, 2048, 1): _C(64, 128, 8, 4, 4, True),  # M=1: 5.25 us vs 5.53
-    ("fp8", 2048, 2048, 4): _C(64, 128, 8, 4, 4, True),  # M=2,4: 5.33 us vs 5.61
+    ("fp8", 576, 2048, 1): None,  # alone M=1: 4.25 us vs 5.02
+    ("fp8", 576, 2048, 4): None,  # alone M=2,4: 4.43 us vs 5.08
+    ("fp8", 576, 2048, 16): None,  # alone M=8,16: 4.62 us vs 5.27
+    ("fp8", 576, 7168, 1): None,  # alone M=1: 5.79 us vs 6.68
+    ("fp8", 576, 7168, 4): None,  # alone M=2,4: 5.86 us vs 6.83
+    ("fp8", 576, 7168, 16): None,  # alone M=8,16: 6.06 us vs 7.14
+    ("fp8", 1536, 7168, 1): None,  # alone M=1: 7.34 us vs 7.81
+    ("fp8", 1536, 7168, 4): None,  # alone M=2,4: 7.45 us vs 7.93
+    ("fp8", 1536, 7168, 16): None,  # alone M=8,16: 7.65 us vs 8.47
+    ("fp8", 2048, 1408, 1): None,  # alone M=1: 4.75 us vs 5.89
+    ("fp8", 2048, 1408, 4): None,  # alone M=2,4: 4.83 us vs 6.04
+    ("fp8", 2048, 1408, 16): None,  # alone M=8,16: 4.99 us vs 6.38
+    ("fp8", 2048, 2048, 1): None,  # alone M=1: 5.25 us vs 5.53
+    ("fp8", 2048, 2048, 4): None,  # alone M=2,4: 5.33 us vs 5.61
     ("fp8", 2048, 2048, 16): None,  # M=8,16: fp8_gemm 5.77 us, skinny 5.80
-    ("fp8", 2048, 10944, 1): _C(64, 128, 16, 4, 4, True),  # M=1: 10.54 us vs 11.12
-    ("fp8", 2048, 10944, 4): _C(32, 128, 8, 4, 4, True),  # M=2,4: 10.92 us vs 11.29
-    ("fp8", 2048, 10944, 16): _C(32, 128, 8, 4, 4, True),  # M=8,16: 11.14 us vs 12.25
-    ("fp8", 2816, 2048, 1): _C(64, 128, 8, 4, 4, True),  # M=1: 5.85 us vs 6.07
-    ("fp8", 2816, 2048, 4): _C(64, 128, 8, 4, 4, True),  # M=2,4: 6.00 us vs 6.20
+    ("fp8", 2048, 10944, 1): None,  # alone M=1: 10.54 us vs 11.12
+    ("fp8", 2048, 10944, 4): None,  # alone M=2,4: 10.92 us vs 11.29
+    ("fp8", 2048, 10944, 16): None,  # alone M=8,16: 11.14 us vs 12.25
+    ("fp8", 2816, 2048, 1): None,  # alone M=1: 5.85 us vs 6.07
+    ("fp8", 2816, 2048, 4): None,  # alone M=2,4: 6.00 us vs 6.20
     ("fp8", 2816, 2048, 16): None,  # M=8,16: fp8_gemm 6.42 us, skinny 6.29
-    ("fp8", 3072, 2048, 1): _C(64, 128, 8, 4, 4, True),  # M=1: 5.94 us vs 6.15
+    ("fp8", 3072, 2048, 1): None,  # alone M=1: 5.94 us vs 6.15
     ("fp8", 3072, 2048, 4): None,  # M=2,4: fp8_gemm 6.25 us, skinny 6.12
     ("fp8", 3072, 2048, 16): None,  # M=8,16: fp8_gemm 6.49 us, skinny 6.42
     ("fp8", 4096, 7168, 1): None,  # M=1: fp8_gemm 11.55 us, skinny 11.25
     ("fp8", 4096, 7168, 4): None,  # M=2,4: fp8_gemm 11.66 us, skinny 11.40
     ("fp8", 4096, 7168, 16): None,  # M=8,16: fp8_gemm 12.27 us, skinny 12.24
-    ("fp8", 7168, 2048, 1): _C(64, 128, 4, 4, 4, True),  # M=1: 8.02 us vs 8.53
-    ("fp8", 7168, 2048, 4): _C(64, 128, 4, 4, 4, True),  # M=2,4: 8.18 us vs 8.69
-    ("fp8", 7168, 2048, 16): _C(32, 128, 2, 4, 4, True),  # M=8,16: 8.76 us vs 9.07
-    ("fp8", 7168, 16384, 1): _C(64, 128, 4, 4, 4, True),  # M=1: 31.81 us vs 32.97
-    ("fp8", 7168, 16384, 4): _C(64, 128, 4, 4, 4, True),  # M=2,4: 32.16 us vs 33.30
+    ("fp8", 7168, 2048, 1): None,  # alone M=1: 8.02 us vs 8.53
+    ("fp8", 7168, 2048, 4): None,  # alone M=2,4: 8.18 us vs 8.69
+    ("fp8", 7168, 2048, 16): None,  # alone M=8,16: 8.76 us vs 9.07
+    ("fp8", 7168, 16384, 1): None,  # alone M=1: 31.81 us vs 32.97
+    ("fp8", 7168, 16384, 4): None,  # alone M=2,4: 32.16 us vs 33.30
     ("fp8", 7168, 16384, 16): None,  # M=8,16: fp8_gemm 34.48 us, skinny 33.49
-    ("fp8", 21888, 2048, 1): _C(64, 128, 1, 4, 4, True),  # M=1: 13.34 us vs 14.33
-    ("fp8", 21888, 2048, 4): _C(64, 128, 1, 4, 4, True),  # M=2,4: 13.56 us vs 14.53
-    ("fp8", 21888, 2048, 16): _C(64, 128, 1, 4, 4, True),  # M=8,16: 13.94 us vs 14.73
-    ("fp8", 24576, 1536, 1): _C(64, 128, 1, 4, 4, True),  # M=1: 11.50 us vs 12.32
-    ("fp8", 24576, 1536, 4): _C(64, 128, 1, 4, 4, True),  # M=2,4: 11.58 us vs 12.30
-    ("fp8", 24576, 1536, 16): _C(64, 128, 1, 4, 4, True),  # M=8,16: 11.81 us vs 12.50
+    ("fp8", 21888, 2048, 1): None,  # alone M=1: 13.34 us vs 14.33
+    ("fp8", 21888, 2048, 4): None,  # alone M=2,4: 13.56 us vs 14.53
+    ("fp8", 21888, 2048, 16): None,  # alone M=8,16: 13.94 us vs 14.73
+    ("fp8", 24576, 1536, 1): None,  # alone M=1: 11.50 us vs 12.32
+    ("fp8", 24576, 1536, 4): None,  # alone M=2,4: 11.58 us vs 12.30
+    ("fp8", 24576, 1536, 16): None,  # alone M=8,16: 11.81 us vs 12.50
 }
 
 

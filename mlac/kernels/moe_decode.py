@@ -66,23 +66,23 @@ class MoeDecodeConfig:
     dot: bool = False
 
 
+ONE_TOKEN_PAIRS = 8  # the decode kernel runs one token's top-k pairs (top-k <= 8)
+
+
 def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDecodeConfig | None:
-    """The decode kernel's tiles, or None where the grouped GEMMs of `moe.py` should run: more than
-    MAX_PAIRS pairs, or more than 4 rows per expert on average (the grouped tiles are then full
-    enough, and the leader scheme's idle programs grow). Off when MLAC_MOE_DECODE_KERNEL=0. With about
-    one row per expert GEMM2 runs per token and sums the top-k (`fuse_sum`): one launch fewer, and
-    an expert shared by several tokens is re-read (from L2: the tokens' programs of one N block
-    run together). Defaults by rule, from the skinny-GEMM measurements of kernels/gemv.py on an
-    H200 (tensor cores win with FP8 weights and with several rows, CUDA cores with one bf16 row);
-    benchmarks/bench_moe_decode.py measures these shapes and sweeps the alternatives."""
-    if not ENABLED or num_pairs > MAX_PAIRS or num_pairs > 4 * num_experts:
+    """The decode kernel's tiles, or None where the grouped GEMMs of `moe.py` should run: measured on
+    an H200 (benchmarks/bench_moe_decode.py), the decode kernel wins for one token's top-k pairs only
+    (at most ONE_TOKEN_PAIRS), so batch-1 decode steps take it and everything larger the grouped
+    path. Off when MLAC_MOE_DECODE_KERNEL=0. `fuse_sum`: GEMM2 runs per token and sums the top-k in
+    its launch (one launch fewer)."""
+    if not ENABLED or num_pairs > ONE_TOKEN_PAIRS or num_pairs > num_experts:
         return None
-    if num_pairs > num_experts:  # several rows per expert: tensor cores, GEMM2 per expert
-        return MoeDecodeConfig(64, 64, 128, 1, num_warps=4, num_stages=4, dot=True)
-    # about one row per expert: GEMM2 per token on CUDA cores, summed in its launch
-    if fp8:  # GEMM1 on tensor cores (e4m3 MMA, pipelined loads: CUDA cores spend ALU on conversions)
-        return MoeDecodeConfig(64, 16, 256, 1, num_warps=4, num_stages=4, fuse_sum=True, dot=True)
-    return MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=True)
+    # one token's top-k (benchmarks/results/moe_decode_h200.json, V2-Lite shapes, 20 calls in a
+    # CUDA graph): FP8 31.5 us against the grouped path's 37.5, bf16 33.3 against 38.1. From 4 tokens
+    # on the grouped GEMMs won every measured shape (FP8 66.5 against 101.7 us at 4 tokens).
+    if fp8:
+        return MoeDecodeConfig(32, 16, 512, 1, num_warps=8, num_stages=2, fuse_sum=True, dot=False)
+    return MoeDecodeConfig(64, 64, 128, 1, num_warps=4, num_stages=4, fuse_sum=False, dot=True)
 
 
 @jit
