@@ -114,14 +114,17 @@ def run_batch(
             sched.step()
         _sync(engine.device)
         prefilled = time.perf_counter()
-        steps = 0
+        calls = 0
         while sched.has_unfinished:
             sched.step()
-            steps += 1
+            calls += 1
         _sync(engine.device)
     finally:
         sched.abort_all()
     tokens = sum(len(s.output_ids) - 1 for s in seqs)
+    # decode forwards: a speculative step per call; else one per token after the first (with overlap
+    # scheduling the last call only lands the step before it, so calls would count one too many)
+    steps = calls if sched.spec is not None else max(len(s.output_ids) for s in seqs) - 1
     spec = sched.spec.stats.accept_length if sched.spec is not None else None
     return BatchRun(prefilled - start, time.perf_counter() - prefilled, steps, tokens, spec)
 

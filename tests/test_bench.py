@@ -56,3 +56,21 @@ def test_bad_batch_sizes_are_one_line_errors(artifact, sizes):
     )
     assert result.exit_code == 1
     assert result.output.strip().startswith("error: --batch-sizes") and "Traceback" not in result.output
+
+
+def test_decode_steps_count_forwards_with_overlap_scheduling(artifact):
+    """With overlap scheduling the last scheduler call only lands the step before it: the step count
+    (and ms per step) counts decode forwards, output_len - 1, as without overlap."""
+    import torch
+
+    from mlac.bench import run_batch
+    from mlac.runtime.engine import Engine
+    from mlac.runtime.scheduler import SchedulerConfig
+
+    for overlap in (False, True):
+        cfg = SchedulerConfig(overlap=overlap)
+        with Engine.from_artifact(
+            artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler_config=cfg
+        ) as engine:
+            run = run_batch(engine, batch=2, input_len=5, output_len=6, seed=0)
+        assert run.steps == 5 and run.tokens == 2 * 5, (overlap, run)
