@@ -3,8 +3,8 @@
     python benchmarks/step_channel_cpu.py [--iters 2000] [--out benchmarks/results/step_channel_cpu.json]
 
 Rank 0 sends a decode Step (B sequences, one new token each, block tables W wide) to rank 1 the way
-the runtime does (dist.send_step over a StepLink: two gloo broadcasts over TCP loopback, or one
-ShmChannel write); rank 1 receives and decodes it (dist.recv_step) and answers with an 8-byte ack
+the runtime does (step_link.send_step over a StepLink: two gloo broadcasts over TCP loopback, or one
+ShmChannel write); rank 1 receives and decodes it (step_link.recv_step) and answers with an 8-byte ack
 by the same kind of path (a gloo broadcast from rank 1, or a second channel). The round trip is
 timed on rank 0; one way is about half. The floor: the same round trip of an 8-byte message.
 """
@@ -27,9 +27,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from mlac.runtime.dist import StepLink, recv_step, send_step  # noqa: E402
 from mlac.runtime.shm_channel import ShmChannel  # noqa: E402
 from mlac.runtime.step import Step  # noqa: E402
+from mlac.runtime.step_link import StepLink, recv_step, send_step  # noqa: E402
 
 CASES = [(1, 8), (32, 8)]  # (B, W): decode Steps
 WARMUP = 200

@@ -1,5 +1,5 @@
 """The shared-memory step channel (runtime/shm_channel.py) alone, with readers in other processes,
-and as the multi-rank step link (dist.StepLink): the same tokens as one rank over the channel, over
+and as the multi-rank step link (step_link.StepLink): the same tokens as one rank over the channel, over
 gloo (MLAC_STEP_CHANNEL=gloo) and over both (small slots); nothing left in /dev/shm.
 
 Every wait is bounded (timeout_s, join timeouts): a broken channel fails a test, never hangs it.
@@ -23,10 +23,10 @@ from mlac.artifact import CompileOptions
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.errors import MlacError
 from mlac.runtime import dist as dist_mod
-from mlac.runtime.dist import SpecOp, decode, encode_spec, encode_step
 from mlac.runtime.engine import Engine
 from mlac.runtime.shm_channel import PREFIX, SHM_DIR, ShmChannel, pid_alive
 from mlac.runtime.step import Step
+from mlac.runtime.step_link import STOP, SpecOp, decode, encode_spec, encode_step
 
 CAPACITY = 256  # bytes per slot in the channel tests: 1 message in 8 is larger (the other path)
 SPIN_S = 1e-3  # this machine's cores are shared: spin little
@@ -195,7 +195,7 @@ def test_messages_decode_to_what_was_encoded():
         assert decode(encode_step(step)) == step
     assert decode(encode_spec(3, [1, 2, 3])) == SpecOp(3, [1, 2, 3])
     assert decode(encode_spec(4, [])) == SpecOp(4, [])
-    assert decode([dist_mod.STOP, 0, 0, 0, 0, 0, 0]) is None
+    assert decode([STOP, 0, 0, 0, 0, 0, 0]) is None
 
 
 # ---- as the multi-rank step link ---------------------------------------------------------------

@@ -21,8 +21,8 @@ Rank 0 polls these and the liveness of the processes it spawned, so a rank that 
 while loading stops the launch with its message instead of a hang. During steps a dead peer
 breaks the collectives; rank 0 then reads the store (and exit codes) to name the failed rank.
 
-Each step rank 0 sends one message of int64 (a header and a payload; encode_step) to the others
-(StepLink): when every rank runs on its node, through a shared-memory ring (shm_channel.py:
+Each step rank 0 sends one message of int64 (a header and a payload; step_link.encode_step) to the
+others (step_link.StepLink): when every rank runs on its node, through a shared-memory ring (shm_channel.py:
 microseconds; rank 0 creates it before "go", puts its name in the store under `channel`, and
 unlinks it once every rank set `attached/<r>`); else, or for a message larger than a slot, or
 with MLAC_STEP_CHANNEL=gloo, by two broadcasts over a gloo group of its own (CPU, no timeout:
@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 import traceback
-from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -51,14 +50,13 @@ import torch.multiprocessing as mp
 
 from mlac.artifact import ParallelPlan
 from mlac.errors import MlacError
-from mlac.runtime.shm_channel import Alive, ShmChannel
-from mlac.runtime.step import Step
+from mlac.runtime.shm_channel import ShmChannel
+from mlac.runtime.step_link import StepLink, send_stop
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 IDLE_TIMEOUT = timedelta(days=3650)  # followers wait for the next step as long as the server lives
 POLL_S = 0.02
 FAILURE_GRACE_S = 1.0  # after a broken collective: how long to wait for a rank to report why
-STOP, STEP, SPEC = 0, 1, 2  # header opcodes
 CHANNEL_ENV = "MLAC_STEP_CHANNEL"  # "shm" (default: the shared-memory channel on one node) or "gloo"
 
 log = logging.getLogger("mlac.runtime")
@@ -437,107 +435,3 @@ def open_store(world: World) -> dist.Store:
         raise MlacError(
             f"rank {world.rank}: cannot {'listen on' if world.rank == 0 else 'reach'} {where}: {e}"
         ) from e
-
-
-# ---- the step broadcast -----------------------------------------------------------------------
-# One message per step, int64: header [7] = op, every_token (SPEC: the op's code), T (new tokens;
-# SPEC: integers), B (sequences), W (block table width), has ranks, N (payload length); then the
-# payload [N]: token ids [T], ctx_lens [B], q_lens [B], table lens [B], block tables [B·W]
-# (row-major, padded), then the DP-attention ranks of the sequences [B] when the Step has them.
-
-HEADER = 7
-
-
-def encode_step(step: Step) -> list[int]:
-    """The message of one forward step (header and payload)."""
-    b, width = step.num_seqs, max(len(t) for t in step.block_tables)
-    lens = [len(t) for t in step.block_tables]
-    tables = [x for t in step.block_tables for x in (*t, *[0] * (width - len(t)))]  # padded; lens say how far
-    payload = [*step.token_ids, *step.ctx_lens, *step.q_lens, *lens, *tables, *step.ranks]
-    return [STEP, int(step.every_token), len(step.token_ids), b, width, int(bool(step.ranks)), len(payload),
-            *payload]  # fmt: skip
-
-
-def encode_spec(code: int, ints: list[int]) -> list[int]:
-    return [SPEC, code, len(ints), 0, 0, 0, len(ints), *ints]
-
-
-def decode(msg: list[int]) -> Step | SpecOp | None:
-    """A message back into what rank 0 encoded: a Step, a SpecOp, or None for stop."""
-    op, every_token, t, b, w, has_ranks, _ = msg[:HEADER]
-    if op == STOP:
-        return None
-    if op == SPEC:
-        return SpecOp(every_token, msg[HEADER : HEADER + t])
-    parts, at = [], HEADER
-    for n in (t, b, b, b, b * w, b if has_ranks else 0):
-        parts.append(msg[at : at + n])
-        at += n
-    ids, ctx_lens, q_lens, lens, tables, ranks = parts
-    rows = [tables[i * w : i * w + n] for i, n in enumerate(lens)]
-    return Step(tuple(ids), tuple(ctx_lens), tuple(q_lens), tuple(map(tuple, rows)), bool(every_token),
-                tuple(ranks))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class SpecOp:
-    """One op of speculative decoding (runtime/spec_exec.py): its code and integers."""
-
-    code: int
-    ints: list[int]
-
-
-class StepLink:
-    """How rank 0's step messages reach the other ranks: through the node's shared-memory channel
-    (shm_channel.py) when every rank runs on rank 0's node, else by two broadcasts over the gloo
-    `group`, header then payload. A message larger than a channel slot goes over gloo too (the
-    channel tells the readers so). `alive` raises when the other side is gone (RankGroup)."""
-
-    def __init__(
-        self, group: dist.ProcessGroup, channel: ShmChannel | None = None, alive: Alive = lambda: None
-    ):
-        self.group = group
-        self.channel = channel
-        self.alive = alive
-
-    def send(self, msg: list[int]) -> None:
-        """Rank 0: one message to every other rank."""
-        if self.channel is not None and self.channel.write(array("q", msg), self.alive):
-            return
-        dist.broadcast(torch.tensor(msg[:HEADER]), src=0, group=self.group)
-        if len(msg) > HEADER:
-            dist.broadcast(torch.tensor(msg[HEADER:], dtype=torch.int64), src=0, group=self.group)
-
-    def recv(self) -> list[int]:
-        """Other ranks: the next message."""
-        if self.channel is not None and (data := self.channel.read(self.alive)) is not None:
-            return memoryview(data).cast("q").tolist()
-        header = torch.empty(HEADER, dtype=torch.int64)
-        dist.broadcast(header, src=0, group=self.group)
-        payload = torch.empty(int(header[-1]), dtype=torch.int64)
-        if payload.numel():
-            dist.broadcast(payload, src=0, group=self.group)
-        return header.tolist() + payload.tolist()
-
-    def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-
-
-def send_step(link: StepLink, step: Step) -> None:
-    """Rank 0: one forward step, to every rank (on CPU)."""
-    link.send(encode_step(step))
-
-
-def send_spec(link: StepLink, code: int, ints: list[int]) -> None:
-    """Rank 0: one speculative-decoding op, to every rank (on CPU)."""
-    link.send(encode_spec(code, ints))
-
-
-def send_stop(link: StepLink) -> None:
-    link.send([STOP, 0, 0, 0, 0, 0, 0])
-
-
-def recv_step(link: StepLink) -> Step | SpecOp | None:
-    """Other ranks: the next Step (or SpecOp) as rank 0 sent it, None on stop."""
-    return decode(link.recv())

@@ -30,15 +30,11 @@ from mlac.passes.buckets import decode_buckets
 from mlac.runtime.dist import (
     LaunchSpec,
     RankGroup,
-    SpecOp,
     World,
     check_devices,
     end_process,
     plan_world,
     rank_device,
-    recv_step,
-    send_spec,
-    send_step,
 )
 from mlac.runtime.dp_attention import BlockPool, DPRank
 from mlac.runtime.dp_graphs import DPDecodeGraphs
@@ -52,6 +48,7 @@ from mlac.runtime.parallel import SINGLE, ParallelContext
 from mlac.runtime.spec_exec import Fail, Send, SpecExecutor
 from mlac.runtime.spec_graphs import DraftGraphs
 from mlac.runtime.step import Step
+from mlac.runtime.step_link import SpecOp, recv_step, send_spec, send_step
 
 __all__ = ["DistributedRunner", "LaunchSpec", "ModelRunner", "RuntimeOptions", "make_cache", "make_runner"]
 

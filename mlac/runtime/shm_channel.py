@@ -1,6 +1,6 @@
 """ShmChannel: one writer, many readers, on one node, through a shared-memory ring of slots.
 
-Rank 0 sends every step to the other ranks of its node this way (dist.StepLink): a write is a
+Rank 0 sends every step to the other ranks of its node this way (step_link.StepLink): a write is a
 copy into shared memory and one 8-byte store; a reader that polls sees it within microseconds,
 where a gloo broadcast over TCP loopback takes two round trips. The channel moves bytes; what
 they mean is the caller's.

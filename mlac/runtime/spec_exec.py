@@ -17,7 +17,7 @@ spec_decode.py decides on the host (rank 0) what runs; each decision is one op h
 
 `src` names a state: "hidden" (the last target's), "g" (the last draft's) or "store" (rows are
 seq_ids: each decoding sequence's last MTP output, the chain's first input). On rank 0 of a
-multi-rank artifact, `send` broadcasts each op (code and integers, dist.send_spec) before it runs,
+multi-rank artifact, `send` broadcasts each op (code and integers, step_link.send_spec) before it runs,
 and the other ranks `apply` it: every rank runs the same forwards, so the collectives inside them
 (all-reduce, the head's all-gather) line up. Only rank 0 uses the logits.
 

@@ -3,7 +3,7 @@ of a multi-rank artifact agree on.
 
 A `Step` says which new tokens of which sequences run: sequence i runs `q_lens[i]` new tokens after
 its `ctx_lens[i]` cached ones, its latents in the blocks of `block_tables[i]`. It is built once on
-rank 0 (`Step.of`), sent as it is to the other ranks (dist.send_step), and turned into device
+rank 0 (`Step.of`), sent as it is to the other ranks (step_link.send_step), and turned into device
 tensors by whoever runs it: the eager path builds a ForwardBatch (`to_device`), the CUDA-graph path
 writes it straight into its static buffers (graphs.py).
 
