@@ -5,13 +5,13 @@ time, tokens per step)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import pytest
 from click.testing import CliRunner
 
-from mlac.bench import _profile_record, profile_line
+from mlac.bench import _profile_record, busy_us, profile_line
 from mlac.cli import main
 
 
@@ -43,21 +43,36 @@ class Kind(Enum):
 
 
 @dataclass
+class Span:
+    start: float  # µs
+    end: float
+
+
+@dataclass
 class Event:
     name: str
     device_type: Kind
     device_time: float = 0.0  # µs
+    time_range: Span = field(default_factory=lambda: Span(0.0, 0.0))
+
+
+def test_busy_time_is_the_union_of_the_spans():
+    assert busy_us([]) == 0.0
+    assert busy_us([(0, 10), (5, 12), (20, 25)]) == 17.0  # overlapping (PDL) and a gap
+    assert busy_us([(20, 25), (0, 10), (10, 11)]) == 16.0  # unsorted, touching
 
 
 def test_profile_record_of_speculative_steps():
     events = [Event("cudaGraphLaunch", Kind.CPU), Event("cudaGraphLaunch", Kind.CPU)]
-    events += [Event("gemm", Kind.CUDA, 100.0)] * 6 + [Event("argmax", Kind.CUDA, 10.0)] * 2
+    gemms = [Event("gemm", Kind.CUDA, 100.0, Span(200.0 * i, 200.0 * i + 100.0)) for i in range(6)]
+    events += gemms + [Event("argmax", Kind.CUDA, 10.0, Span(50.0, 60.0))] * 2  # inside a gemm's span
     events += [Event("Memcpy HtoD", Kind.CUDA, 1.0)] * 2 + [Event("aten::copy_", Kind.CPU)]
     rec = _profile_record(events, Kind, batch=1, steps=2, wall=0.004, tokens=5, k=3)
     assert rec["kernels_per_step"] == 4 and rec["graph_replays_per_step"] == 1 and rec["copies_per_step"] == 1
-    assert rec["gpu_kernel_ms_per_step"] == pytest.approx(0.31)
+    assert rec["gpu_kernel_ms_per_step"] == pytest.approx(0.31)  # summed
+    assert rec["gpu_busy_ms_per_step"] == pytest.approx(0.30)  # the argmax spans overlap a gemm's
     assert rec["wall_ms_per_step"] == pytest.approx(2.0) and rec["gpu_idle_ms_per_step"] == pytest.approx(
-        1.69
+        1.70
     )
     assert rec["tokens_per_step"] == 2.5 and rec["kernels_by_gpu_time"][0]["name"] == "gemm"
     line = profile_line(rec)
