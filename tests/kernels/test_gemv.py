@@ -159,7 +159,13 @@ def test_configs_cover_the_kernel_constraints():
     assert [gemv.m_class(m) for m in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
 
 
-def test_skinny_applies():
+def _tuned_fp8(monkeypatch, n: int, k: int, m: int) -> None:
+    """An FP8 shape the skinny GEMM takes: FP8 goes to it only where TUNED holds a config."""
+    monkeypatch.setitem(gemv.TUNED, ("fp8", n, k, m), gemv.default_config("fp8", n, k, m, 4))
+
+
+def test_skinny_applies(monkeypatch):
+    _tuned_fp8(monkeypatch, 96, 256, 16)
     w, s = _fp8_w(96, 256, seed=0)
     wd = _dense_w(96, 256, torch.bfloat16, seed=0)
     x16, x17 = _x(16, 256, torch.bfloat16, seed=0), _x(17, 256, torch.bfloat16, seed=0)
@@ -172,8 +178,9 @@ def test_skinny_applies():
 
 
 def test_skinny_declines_shapes_measured_slower():
-    """TUNED None (the baseline measured faster on the H200) sends a shape back to cuBLAS; a
-    measured win, and an unmeasured shape, take the skinny GEMM."""
+    """bf16: TUNED None (cuBLAS measured faster on the H200) sends a shape back to cuBLAS; a
+    measured win, and an unmeasured shape, take the skinny GEMM. FP8: only a shape with a config
+    in TUNED takes it (none today)."""
     slower = torch.zeros(3072, 2048, dtype=torch.bfloat16)  # V2-Lite q_proj: cuBLAS won at M = 1
     faster = torch.zeros(576, 2048, dtype=torch.bfloat16)  # V2-Lite kv_a: skinny won
     x = torch.zeros(1, 2048, dtype=torch.bfloat16)
@@ -181,6 +188,10 @@ def test_skinny_declines_shapes_measured_slower():
     assert gemv.TUNED[("bf16", 576, 2048, 1)] is not None and gemv.skinny_applies(x, faster, None)
     assert ("bf16", 640, 2048, 1) not in gemv.TUNED
     assert gemv.skinny_applies(x, torch.zeros(640, 2048, dtype=torch.bfloat16), None)
+    w8, s8 = _fp8_w(640, 2048, seed=0)  # FP8: not unless TUNED holds a config for the shape
+    assert ("fp8", 640, 2048, 1) not in gemv.TUNED and not gemv.skinny_applies(x, w8, s8)
+    assert gemv.TUNED[("fp8", 576, 2048, 1)] is None
+    assert not gemv.skinny_applies(x, *_fp8_w(576, 2048, seed=0))
 
 
 # ---- Linear's dispatch -------------------------------------------------------------------------
@@ -217,6 +228,7 @@ def spy(monkeypatch):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_linear_picks_skinny_up_to_16_rows(spy, monkeypatch, fp8):
     monkeypatch.setenv("MLAC_FORCE_TRITON", "1")  # the Triton path on CPU tensors (interpreter)
+    _tuned_fp8(monkeypatch, 96, 256, 16)
     lin = _linear(fp8)
     x16 = _x(16, 256, torch.bfloat16, seed=2).view(2, 8, 256)
     y = lin(x16)
