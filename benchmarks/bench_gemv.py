@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_timing import copy_gbps as gpu_copy_gbps  # noqa: E402
+
 from mlac.kernels import fp8_gemm as G  # noqa: E402
 from mlac.kernels import gemv  # noqa: E402
 from mlac.kernels.fp8_quant import Fp8Act, act_quant  # noqa: E402
@@ -154,21 +156,6 @@ def time_calls(case: Case, impl: str, cfg: gemv.SkinnyConfig | None) -> float:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB, GB/s counting read + write (as DESIGN's ceiling)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 # ---- the sweep --------------------------------------------------------------------------------
@@ -315,7 +302,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     items = work_items(args.quick, sms)
     precompile(items, args.jobs)
-    copy_gbps = copy_bandwidth()
+    copy_gbps = gpu_copy_gbps()
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s; {len(items)} cases", file=sys.stderr)
     records = []
     for item in items:

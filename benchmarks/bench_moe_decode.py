@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_timing import copy_gbps, graph_us  # noqa: E402
+
 from mlac.kernels import moe as M  # noqa: E402
 from mlac.kernels import moe_decode as MD  # noqa: E402
 
@@ -43,38 +44,6 @@ TOKENS = [1, 4, 8, 32]
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def time_graph_us(fns, replays: int = 10) -> float:
-    """Median microseconds per call of fns, captured in one CUDA graph (events around replays)."""
-    for f in fns:  # compile and allocate outside the capture
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    del g
-    return statistics.median(times)
-
-
-def copy_gbps() -> float:
-    """Device-to-device copy bandwidth (bytes read + written), 1 GiB."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    us = time_graph_us([lambda: b.copy_(a)] * 5)
-    return 2 * n / us / 1e3
 
 
 def make_weights(e: int, h: int, i: int, fp8: bool):
@@ -145,7 +114,7 @@ def bench_shape(name, e, top_k, h, i, fp8, t, copy, deadline, quick) -> dict:
         ]
 
     def row(label, cfg):
-        us = time_graph_us(run(cfg))
+        us = graph_us(run(cfg))
         gbps = mean_bytes / us / 1e3
         return {
             "label": label,

@@ -21,42 +21,16 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from gpu_timing import graph_us
 
 ROOT = Path(__file__).resolve().parent.parent
 D, INTER = 2048, 1408  # V2-Lite hidden size and expert width
 REPLAYS = 30
-
-
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    """fn run once eagerly (compiles, allocates), then captured."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
-def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
-    """Median us of one replay (each timed alone between events, after 3 warm replays)."""
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def norm_chain(n: int, device: str = "cuda"):
@@ -117,7 +91,7 @@ def child(n: int) -> dict:
     out = {"pdl": None}
     for name, build in (("floor", floor_chain), ("norm", norm_chain), ("mlp", mlp_chain)):
         step, kernels = build(n)
-        us = _replay_us(_graph(step))
+        us = graph_us([step], replays=REPLAYS)
         out[name] = {
             "kernels": kernels,
             "us_per_replay": round(us, 1),
