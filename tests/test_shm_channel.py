@@ -285,3 +285,12 @@ def test_the_other_ranks_exit_when_rank_0_is_killed(tp):
         assert not pid_alive(rank1)
     finally:
         rank0.kill()
+
+
+def test_an_unknown_step_channel_is_a_one_line_error(tp, monkeypatch):
+    """MLAC_STEP_CHANNEL other than shm or gloo: the start fails naming the variable, the other rank
+    exits, and nothing is left in /dev/shm."""
+    monkeypatch.setenv("MLAC_STEP_CHANNEL", "tcp")
+    with pytest.raises(MlacError, match=r"MLAC_STEP_CHANNEL=tcp: say shm or gloo"):
+        Engine.from_artifact(tp(2), dtype=torch.float32, **CACHE)
+    assert segments(os.getpid()) == []
