@@ -28,6 +28,17 @@ For an FP8 source checkpoint (V3, R1) kv_b's 128x128 blocks map one to one onto 
 blocks (each head's nope rows and v rows are one block row each), so FP8 w_kc / w_vc can carry the
 source's bits and scales unchanged: no error beyond the checkpoint's own.
 
+Two fusions around the v-absorb (`head_bmm(o_lat, w_vc)`) remove a launch each from the decode:
+
+- x may be mla_decode's unmerged split-KV partials (`SplitKV`, from `mla_decode(merge=False)`):
+  the x tile is then merged while it is loaded, by the merge kernel's own Triton helpers
+  (mla_decode.merge_weights / merge_splits) and rounded to o_lat's dtype as its store does, so the
+  result is bit for bit that of the merge kernel followed by head_bmm (same config).
+- `quant_out=True` (the FP8 o_proj reads the output): with N % 128 == 0 each program owns whole
+  128-wide groups of one head, which are exactly the quantization groups of o_proj's input
+  [B, H*N], so the epilogue writes `Fp8Act` (e4m3 [B, H*N] and scales [B, H*N/128]) with the bits
+  of `quantize_act_ref` of the output rounded to x's dtype.
+
 Grid: (N tiles, B tiles, H); the N tiles of one (B tile, head) are adjacent, so they share the x
 rows in L2. Decode (B <= 64) uses 16-row tiles; CONFIGS holds the defaults.
 """
@@ -43,7 +54,11 @@ from mlac.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks, quantize_blocks
 from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import quantize_act_ref
-from mlac.kernels.fp8_quant import cast_out, interpreting, round_e4m3
+from mlac.kernels.fp8_quant import Fp8Act, cast_out, interpreting, quant_groups, round_e4m3
+from mlac.kernels.mla_decode import SplitKV, merge_ref
+
+if HAS_TRITON:
+    from mlac.kernels.mla_decode import _used_splits, merge_splits, merge_weights
 
 
 @dataclass(frozen=True)
@@ -57,10 +72,14 @@ class HeadBmmConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    merge_chunk: int = 8  # x as split partials: splits whose tiles are loaded at once
 
 
 CONFIGS = {
     "decode": HeadBmmConfig(16, 64, 128, num_warps=4, num_stages=3),  # B <= 64: stream the weights
+    # B <= 64, a program per (head, 128 outputs): merges split-KV partials once per head, and owns
+    # the 128-channel quantization groups of quant_out
+    "decode_heads": HeadBmmConfig(16, 128, 128, num_warps=4, num_stages=3),
     "large": HeadBmmConfig(128, 128, 64, num_warps=8, num_stages=3),  # B > 64: tensor-core bound
     # W8A8 (block_k 128): 128x128x64 x3 stages asked 262656 B of shared memory on an H200 (limit 232448)
     "large_w8a8": HeadBmmConfig(64, 128, 128, num_warps=4, num_stages=2),
@@ -68,10 +87,11 @@ CONFIGS = {
 DECODE_MAX_B = 64
 
 
-def pick_config(b: int, quant_act: bool = False) -> HeadBmmConfig:
-    """The default tiles for batch size b."""
+def pick_config(b: int, quant_act: bool = False, whole_heads: bool = False) -> HeadBmmConfig:
+    """The default tiles for batch size b; `whole_heads`: 128-wide N tiles (a merging x load, or
+    quant_out)."""
     if b <= DECODE_MAX_B:
-        return CONFIGS["decode"]
+        return CONFIGS["decode_heads" if whole_heads else "decode"]
     return CONFIGS["large_w8a8"] if quant_act else CONFIGS["large"]
 
 
@@ -113,26 +133,41 @@ def quantize_head_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- Triton ------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    # B varies per decode step, and the scale strides are 1 or 4 for these shapes: one compile
-    @triton.jit(do_not_specialize=["B", "stride_sh", "stride_sk"])
+    # B varies per decode step, and the scale strides are 1 or 4 for these shapes: one compile.
+    # A merging load: num_splits is fixed per CUDA graph but differs between graphs, and so do the
+    # lse strides (multiples of it): one compile for all of them.
+    @triton.jit(do_not_specialize=["B", "stride_sh", "stride_sk", "num_splits", "stride_lb", "stride_lh"])
     def _head_bmm_kernel(
         x_ptr,
         w_ptr,
         s_ptr,
         o_ptr,
+        lse_ptr,
+        seq_lens_ptr,
+        os_ptr,
         B,
         N,
         K,
         stride_xb,
         stride_xh,
+        stride_xs,
         stride_wh,
         stride_wk,
         stride_sh,
         stride_sk,
         stride_ob,
         stride_oh,
+        stride_lb,
+        stride_lh,
+        stride_osb,
+        num_splits,
         W_FP8: tl.constexpr,  # w e4m3 with block scales s [H, ceil(K/128), ceil(N/128)]
         QUANT_A: tl.constexpr,  # W8A8: quantize x per row per 128 channels (BLOCK_K == 128)
+        MERGE: tl.constexpr,  # x: split partials [B, H, S, K] float32, lse [B, H, S] (SplitKV)
+        MIN_SPLIT: tl.constexpr,  # MERGE: SplitKV.min_split
+        MERGE_CHUNK: tl.constexpr,  # MERGE: splits whose [BM, BK] tiles are loaded at once
+        QUANT_OUT: tl.constexpr,  # o e4m3 [B, H*N] + scales os [B, H*N/128] (BLOCK_N == 128)
+        X_DTYPE: tl.constexpr,  # the activation dtype (what a merged x and QUANT_OUT round to)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -159,15 +194,41 @@ if HAS_TRITON:
         else:
             s_ptrs = s_ptr + head * stride_sh + offs_n // 128  # [BN]
 
+        if MERGE:  # per row: the splits its request used, and the merge's max and denominator
+            used = _used_splits(tl.load(seq_lens_ptr + offs_m, mask=m_ok, other=0), num_splits, MIN_SPLIT)
+            n_used = tl.max(tl.where(m_ok, used, 1))  # splits to visit: the most a row of the tile used
+            used = used[:, None]  # [BM, 1]
+            row_ok = m_ok[:, None]
+            lse_ptrs = lse_ptr + head * stride_lh + offs_m[:, None].to(tl.int64) * stride_lb  # [BM, 1]
+            mx, denom = merge_weights(lse_ptrs, 1, row_ok, used, n_used, MERGE_CHUNK)  # [BM, 1]
+
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
-                a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+                k_ok = offs_k < BLOCK_K
                 b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = k0 + offs_k < K
-                a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if MERGE:  # o_lat's tile: the merge kernel's arithmetic, rounded as its store rounds
+                a = merge_splits(
+                    x_ptrs,
+                    stride_xs,
+                    k_ok[None, :],
+                    lse_ptrs,
+                    1,
+                    row_ok,
+                    used,
+                    n_used,
+                    mx,
+                    denom,
+                    MERGE_CHUNK,
+                )
+                a = a.to(X_DTYPE)  # [BM, BK]
+            elif EVEN_K:
+                a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if W_FP8:
                 kb = k0 // 128
                 if BLOCK_N <= 128:
@@ -192,21 +253,47 @@ if HAS_TRITON:
             w_ptrs += BLOCK_K * stride_wk
 
         o_ptrs = o_ptr + head * stride_oh + offs_m[:, None].to(tl.int64) * stride_ob + offs_n[None, :]
-        tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        o_mask = m_ok[:, None] & n_ok[None, :]
+        if QUANT_OUT:  # each row of the tile is one 128-channel group of o_proj's input [B, H*N]
+            q, q_s = quant_groups(cast_out(acc, X_DTYPE).to(tl.float32), FP8_MAX_C)  # the rounded output's
+            tl.store(o_ptrs, q.to(o_ptr.dtype.element_ty), mask=o_mask)
+            group = (head * N + pid_n * BLOCK_N) // BLOCK_N
+            tl.store(os_ptr + offs_m.to(tl.int64) * stride_osb + group, q_s, mask=m_ok)
+        else:
+            tl.store(o_ptrs, cast_out(acc, o_ptr.dtype.element_ty), mask=o_mask)
 
 
-def _check_args(x, w, w_scale, quant_act: bool, cfg: HeadBmmConfig) -> None:
-    assert x.dim() == 3 and w.dim() == 3, (
-        f"x [B, H, K] and w [H, K, N], got {tuple(x.shape)}, {tuple(w.shape)}"
-    )
+_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _check_x(x: torch.Tensor | SplitKV) -> None:
+    """x [B, H, K] bf16/fp16 with a contiguous last dim, or split partials that merge to one."""
+    assert x.dtype in (torch.bfloat16, torch.float16), f"x must be bf16/fp16, got {x.dtype}"
+    if not isinstance(x, SplitKV):
+        assert x.dim() == 3, f"x must be [B, H, K], got {tuple(x.shape)}"
+        assert x.stride(-1) == 1, f"x's last dim must be contiguous (strides {x.stride()})"
+        return
+    o, lse = x.o_part, x.lse_part
+    assert o.dim() == 4 and o.dtype == torch.float32 and o.stride(-1) == 1, (o.shape, o.dtype, o.stride())
+    assert lse.shape == o.shape[:3] and lse.dtype == torch.float32 and lse.stride(-1) == 1, lse.shape
+    assert x.seq_lens.shape == o.shape[:1] and x.seq_lens.dtype == torch.int32 and x.seq_lens.is_contiguous()
+    assert lse.device == x.seq_lens.device == o.device, (o.device, lse.device, x.seq_lens.device)
+
+
+def _check_args(x, w, w_scale, quant_act: bool, quant_out: bool, cfg: HeadBmmConfig) -> None:
+    _check_x(x)
+    assert w.dim() == 3, f"w must be [H, K, N], got {tuple(w.shape)}"
     b, h, k = x.shape
     assert w.shape[:2] == (h, k), f"x {tuple(x.shape)} vs w {tuple(w.shape)}: w must be [H={h}, K={k}, N]"
-    assert x.dtype in (torch.bfloat16, torch.float16), f"x must be bf16/fp16, got {x.dtype}"
-    assert x.stride(-1) == 1, f"x's last dim must be contiguous (strides {x.stride()})"
     assert w.stride(-1) == 1, f"w's last dim must be contiguous (strides {w.stride()})"
     assert x.device == w.device, (x.device, w.device)
     for name, v in (("block_m", cfg.block_m), ("block_n", cfg.block_n), ("block_k", cfg.block_k)):
         assert v >= 16 and v & (v - 1) == 0, f"{name} must be a power of two >= 16: {cfg}"
+    if quant_out:
+        assert w.shape[2] % BLOCK == 0 and cfg.block_n == BLOCK, (
+            f"quant_out needs whole 128-wide quantization groups (N % 128 == 0, block_n == 128): "
+            f"N {w.shape[2]}, {cfg}"
+        )
     if w_scale is None:
         assert w.dtype == x.dtype, f"an unscaled w must have x's dtype {x.dtype}, got {w.dtype}"
         assert not quant_act, "quant_act (W8A8) needs an FP8 weight with w_scale"
@@ -226,82 +313,98 @@ def _check_args(x, w, w_scale, quant_act: bool, cfg: HeadBmmConfig) -> None:
     assert not quant_act or cfg.block_k == BLOCK, f"W8A8 needs block_k == 128: {cfg}"
 
 
+def _outputs(b: int, h: int, n: int, x, quant_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, N] in x's dtype, unused scales), or (e4m3 [B, H, N], scales [B, H*N/128])."""
+    if not quant_out:
+        out = torch.empty(b, h, n, dtype=x.dtype, device=x.device)
+        return out, out
+    q = torch.empty(b, h, n, dtype=FP8, device=x.device)
+    return q, torch.empty(b, h * n // BLOCK, dtype=torch.float32, device=x.device)
+
+
+def _result(out: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, quant_out: bool):
+    return Fp8Act(out.view(out.shape[0], -1), scales, dtype) if quant_out else out
+
+
 def head_bmm_triton(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitKV,
     w: torch.Tensor,
     w_scale: torch.Tensor | None = None,
     *,
     quant_act: bool = False,
+    quant_out: bool = False,
     config: HeadBmmConfig | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | Fp8Act:
     """Triton head_bmm: contract as `head_bmm_ref`, up to float32 summation order.
 
-    x [B, H, K] (last dim contiguous), w [H, K, N] in x's dtype or e4m3 with w_scale; returns a
-    new contiguous [B, H, N] in x's dtype. One launch, no copies.
+    x [B, H, K] (last dim contiguous), or split-KV partials that merge to it (`SplitKV`: merged
+    while loaded, the bits of the merge kernel's o_lat); w [H, K, N] in x's dtype or e4m3 with
+    w_scale. Returns a new contiguous [B, H, N] in x's dtype, or with `quant_out` its `Fp8Act`
+    [B, H*N] (N % 128 == 0). One launch, no copies.
     """
     assert HAS_TRITON, "head_bmm_triton needs triton"
-    cfg = config or pick_config(x.shape[0], quant_act)
-    _check_args(x, w, w_scale, quant_act, cfg)
+    split = isinstance(x, SplitKV)
+    cfg = config or pick_config(x.shape[0], quant_act, whole_heads=split or quant_out)
+    _check_args(x, w, w_scale, quant_act, quant_out, cfg)
     (b, h, k), n = x.shape, w.shape[2]
-    out = torch.empty(b, h, n, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    if k == 0:
+    out, scales = _outputs(b, h, n, x, quant_out)
+    if out.numel() == 0 or k == 0:  # an output of zeros
+        if quant_out:
+            return Fp8Act(*quantize_act_ref(torch.zeros(b, h * n, dtype=x.dtype, device=x.device)), x.dtype)
         return out.zero_()
     fp8 = w_scale is not None
     s = w_scale if fp8 else w  # unused without FP8
+    xt, lse, seq_lens = (x.o_part, x.lse_part, x.seq_lens) if split else (x, x, x)  # lse, seq_lens unused
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(b, cfg.block_m), h)
     _head_bmm_kernel[grid](
-        x,
-        w,
-        s,
-        out,
-        b,
-        n,
-        k,
-        x.stride(0),
-        x.stride(1),
-        w.stride(0),
-        w.stride(1),
-        s.stride(0),
-        s.stride(1),
-        out.stride(0),
-        out.stride(1),
-        W_FP8=fp8,
-        QUANT_A=quant_act,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        xt, w, s, out, lse, seq_lens, scales,
+        b, n, k,
+        xt.stride(0), xt.stride(1), xt.stride(2) if split else 0,
+        w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0) if split else 0, lse.stride(1) if split else 0, scales.stride(0),
+        xt.shape[2] if split else 1,
+        W_FP8=fp8, QUANT_A=quant_act,
+        MERGE=split, MIN_SPLIT=x.min_split if split else 1, MERGE_CHUNK=cfg.merge_chunk, QUANT_OUT=quant_out,
+        X_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0,
         UPCAST_DOT=interpreting() and not quant_act,
         FP8_MAX_C=FP8_MAX,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(),
-    )
-    return out
+    )  # fmt: skip
+    return _result(out, scales, x.dtype, quant_out)
 
 
 def head_bmm(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitKV,
     w: torch.Tensor,
     w_scale: torch.Tensor | None = None,
     *,
     quant_act: bool = False,
+    quant_out: bool = False,
     use_triton: bool | None = None,
     config: HeadBmmConfig | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | Fp8Act:
     """out[b, h] = x[b, h] @ w[h]: [B, H, K] x [H, K, N] -> [B, H, N] in x's dtype.
 
-    The stored format drives the math: an e4m3 `w` comes with its `w_scale`. Dispatches on device:
-    Triton on CUDA for bf16/fp16 x, `head_bmm_ref` on CPU and for float32; `use_triton` forces
-    either path.
+    The stored format drives the math: an e4m3 `w` comes with its `w_scale`. x may be the unmerged
+    split-KV partials of `mla_decode(merge=False)` (`SplitKV`), merged here. `quant_out` (N % 128
+    == 0) returns instead the output's `Fp8Act` [B, H*N], the bits of `quantize_act_ref` of it,
+    for an FP8 GEMM to read. Dispatches on device: Triton on CUDA for bf16/fp16 x, `head_bmm_ref`
+    on CPU and for float32; `use_triton` forces either path.
     """
     if use_triton is None and x.dtype == torch.float32:
         use_triton = False  # the Triton path takes bf16/fp16; float32 math stays exact (no TF32)
-    if not _use_triton(x, use_triton):
-        return head_bmm_ref(x, w, w_scale, quant_act=quant_act)
-    return head_bmm_triton(x, w, w_scale, quant_act=quant_act, config=config)
+    xt = x.o_part if isinstance(x, SplitKV) else x
+    if _use_triton(xt, use_triton):
+        return head_bmm_triton(x, w, w_scale, quant_act=quant_act, quant_out=quant_out, config=config)
+    out = head_bmm_ref(merge_ref(x) if isinstance(x, SplitKV) else x, w, w_scale, quant_act=quant_act)
+    if not quant_out:
+        return out
+    assert out.shape[2] % BLOCK == 0, f"quant_out needs N % 128 == 0, got N {out.shape[2]}"
+    return Fp8Act(*quantize_act_ref(out.flatten(1)), out.dtype)
 
 
 __all__ = [

@@ -9,8 +9,10 @@ heads with one matrix product:
     o_lat[b, h]    = sum_t softmax_t(score[b, h, :]) * latent[t]
 
 Long sequences are split into `num_splits` chunks computed in parallel (split-KV) and merged by
-log-sum-exp. FP8 caches (e4m3 / e5m2) carry one float32 scale per tensor (value = stored * scale);
-their tiles are widened to fp16 and q is cast to fp16 for the dots (|q| must stay below 65504).
+log-sum-exp: by a merge kernel, or (`merge=False`) by the consumer of o_lat while it loads it
+(`SplitKV`: head_bmm's v-absorb merges the partials in its x load, one launch fewer).
+FP8 caches (e4m3 / e5m2) carry one float32 scale per tensor (value = stored * scale); their
+tiles are widened to fp16 and q is cast to fp16 for the dots (|q| must stay below 65504).
 `mla_decode` dispatches: Triton on CUDA, the reference on CPU. Measured on an H200:
 benchmarks/NOTES_attention.md.
 """
@@ -18,6 +20,7 @@ benchmarks/NOTES_attention.md.
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +30,53 @@ from mlac.kernels._triton import use_triton as _use_triton
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+MERGE_CHUNK = 16  # splits the merge kernel loads at once (a [512] float32 row each)
+
+
+class SplitKV(NamedTuple):
+    """mla_decode's split-KV partials, not merged (`merge=False`): what a consumer that merges them
+    while loading o_lat takes instead of o_lat [B, H, C] (head_bmm).
+
+    o_part [B, H, S, C] float32: each split's o, normalized by its own softmax sum.
+    lse_part [B, H, S] float32: each split's log-sum-exp, base 2 (-inf for an empty split).
+    seq_lens [B] int32: request b wrote only the first `used_splits(seq_len, S, min_split)` splits;
+    the others hold garbage and must not be read.
+    dtype: o_lat's dtype; the merge rounds to it (as the merge kernel's store does).
+    """
+
+    o_part: torch.Tensor
+    lse_part: torch.Tensor
+    seq_lens: torch.Tensor
+    min_split: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:  # o_lat's [B, H, C]
+        b, h, _, c = self.o_part.shape
+        return torch.Size((b, h, c))
+
+    @property
+    def device(self) -> torch.device:
+        return self.o_part.device
+
+
+def used_splits_ref(seq_lens: torch.Tensor, num_splits: int, min_split: int) -> torch.Tensor:
+    """[B] splits each request uses: at most num_splits, each of at least min_split tokens, >= 1."""
+    return (-(-seq_lens.long() // min_split)).clamp(max=num_splits).clamp(min=1)
+
+
+def merge_ref(p: SplitKV) -> torch.Tensor:
+    """The split partials merged by log-sum-exp in float32 -> o_lat [B, H, C] in p.dtype (same
+    math as the merge kernel, up to float32 summation order and exp2 rounding)."""
+    s = p.o_part.shape[2]
+    used = used_splits_ref(p.seq_lens, s, p.min_split).to(p.o_part.device)  # [B]
+    valid = (torch.arange(s, device=used.device)[None, :] < used[:, None])[:, None, :]  # [B, 1, S]
+    lse = p.lse_part.masked_fill(~valid, float("-inf"))  # [B, H, S]
+    mx = lse.amax(-1, keepdim=True)
+    w = torch.exp2(lse - mx.masked_fill(mx == float("-inf"), 0.0))  # [B, H, S], 0 where unused
+    denom = w.sum(-1, keepdim=True)
+    o = (w[..., None] * p.o_part.masked_fill(~valid[..., None], 0.0)).sum(2)  # [B, H, C]
+    return (o / denom.masked_fill(denom == 0, 1.0)).to(p.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,35 +239,78 @@ if triton is not None:
                 lse = lse * 0.6931471805599453
             tl.store(lse_ptr + b * stride_l_b + offs_h * stride_l_h + pid_s * stride_l_s, lse, mask=mask_h)
 
+    # The split merge, shared by the merge kernel and head_bmm's merging x load, so that both give
+    # the same bits: each element's sums run in split order, one add (or fma) per split, whatever
+    # the shapes and chunk sizes (a split past an element's `used` is masked to -inf / 0 and adds
+    # exactly +0; floating-point adds are never reordered). CHUNK splits are unrolled per loop
+    # step, so that their loads are in flight together.
+
+    @triton.jit
+    def merge_weights(lse_ptrs, stride_s, ok, used, n_iter, CHUNK: tl.constexpr):
+        """(mx, denom) of the log-sum-exp merge over the splits s < used of each element of
+        `lse_ptrs` (base-2 lse, any shape; `ok` masks elements, `used` broadcasts to them): mx the
+        largest finite lse (0 where none is), denom = sum_s 2^(lse_s - mx). Visits the splits
+        s < n_iter rounded up to CHUNK (n_iter >= every element's used)."""
+        mx = tl.load(lse_ptrs, mask=ok, other=float("-inf"))  # split 0: always used
+        for s0 in range(1, n_iter, CHUNK):
+            for j in tl.static_range(CHUNK):
+                lse = tl.load(lse_ptrs + (s0 + j) * stride_s, mask=ok & (s0 + j < used), other=float("-inf"))
+                mx = tl.maximum(mx, lse)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        denom = tl.exp2(tl.load(lse_ptrs, mask=ok, other=float("-inf")) - mx)
+        for s0 in range(1, n_iter, CHUNK):
+            for j in tl.static_range(CHUNK):
+                lse = tl.load(lse_ptrs + (s0 + j) * stride_s, mask=ok & (s0 + j < used), other=float("-inf"))
+                denom += tl.exp2(lse - mx)
+        return mx, denom
+
+    @triton.jit
+    def merge_splits(
+        o_ptrs, stride_o_s, o_ok, lse_ptrs, stride_l_s, ok, used, n_iter, mx, denom, CHUNK: tl.constexpr
+    ):
+        """sum_s 2^(lse_s - mx) o_s / denom over the splits s < used: the merged float32 o at
+        `o_ptrs` (split 0's partials; `o_ok` masks them, `lse_ptrs`/`ok`/`used` broadcast to
+        them), with (mx, denom) from merge_weights."""
+        w = tl.exp2(tl.load(lse_ptrs, mask=ok, other=float("-inf")) - mx)
+        acc = w * tl.load(o_ptrs, mask=o_ok & ok, other=0.0)
+        for s0 in range(1, n_iter, CHUNK):
+            for j in tl.static_range(CHUNK):
+                u = ok & (s0 + j < used)
+                w = tl.exp2(tl.load(lse_ptrs + (s0 + j) * stride_l_s, mask=u, other=float("-inf")) - mx)
+                acc = tl.fma(w, tl.load(o_ptrs + (s0 + j) * stride_o_s, mask=o_ok & u, other=0.0), acc)
+        return acc / tl.where(denom == 0.0, 1.0, denom)
+
     @triton.jit
     def _mla_decode_merge_kernel(
         o_part, lse_part, out, lse_out,
         stride_p_b, stride_p_h, stride_p_s, stride_pl_b, stride_pl_h,
         stride_o_b, stride_o_h, stride_lo_b, seq_lens, num_splits,
-        MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, DL: tl.constexpr, BLOCK_DL: tl.constexpr,
+        MIN_SPLIT: tl.constexpr, DL: tl.constexpr, BLOCK_DL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         STORE_LSE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One program per (request, head): o = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max),
-        over the splits request b used."""
+        over the splits request b used (merge_weights, merge_splits)."""
         pdl_start(PDL)
         h = tl.program_id(0)
         b = tl.program_id(1)
-        offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_DL)
-        mask_s = offs_s < _used_splits(tl.load(seq_lens + b), num_splits, MIN_SPLIT)
-        lse = tl.load(lse_part + b * stride_pl_b + h * stride_pl_h + offs_s, mask=mask_s, other=float("-inf"))
-        mx = tl.max(lse, 0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        w = tl.exp2(lse - mx)  # [BS], 0 for empty splits
-        denom = tl.sum(w, 0)
-        p_ptrs = o_part + b * stride_p_b + h * stride_p_h + offs_s[:, None] * stride_p_s + offs_d[None, :]
-        o = tl.load(p_ptrs, mask=mask_s[:, None] & (offs_d < DL)[None, :], other=0.0)  # [BS, BDL]
-        res = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
+        n_used = _used_splits(tl.load(seq_lens + b), num_splits, MIN_SPLIT)
+        # The per-request operands as a [1] row, not scalars: Triton's interpreter cannot AND a
+        # scalar mask with a vector one.
+        row = tl.arange(0, 1)
+        used = row + n_used  # [1]
+        ok = used > 0  # [1], true
+        lse_ptrs = lse_part + b * stride_pl_b + h * stride_pl_h + row  # [1]
+        mx, denom = merge_weights(lse_ptrs, 1, ok, used, n_used, MERGE_CHUNK)  # [1]
+        p_ptrs = o_part + b * stride_p_b + h * stride_p_h + offs_d  # [BDL]
+        res = merge_splits(
+            p_ptrs, stride_p_s, offs_d < DL, lse_ptrs, 1, ok, used, n_used, mx, denom, MERGE_CHUNK
+        )
         tl.store(
             out + b * stride_o_b + h * stride_o_h + offs_d, res.to(out.dtype.element_ty), mask=offs_d < DL
         )
         if STORE_LSE:
-            tl.store(lse_out + b * stride_lo_b + h, (mx + tl.log2(denom)) * 0.6931471805599453)
+            tl.store(lse_out + b * stride_lo_b + h + row, (mx + tl.log2(denom)) * 0.6931471805599453)
 
 
 # Launch configurations (H200, Triton 3.6; see benchmarks/NOTES_attention.md). BLOCK_H >= 16
@@ -301,10 +394,13 @@ def mla_decode_triton(
     config: dict | None = None,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    merge: bool = True,
 ):
     """Triton path of `mla_decode` (same contract). `num_splits` and `config` override the defaults;
-    `out` [B, H, kv_lora] and `lse_out` [B, H] float32 are written when given (else allocated)."""
+    `out` [B, H, kv_lora] and `lse_out` [B, H] float32 are written when given (else allocated).
+    `merge=False` with num_splits > 1 returns the partials as a `SplitKV` (no merge launch)."""
     _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale)
+    assert merge or not return_lse, "merge=False returns no lse"
     b, h, kv_lora = q_nope_lat.shape
     rope = q_rope.shape[-1]
     page = kv_cache.shape[1]
@@ -356,12 +452,14 @@ def mla_decode_triton(
         STORE_LSE=return_lse or num_splits > 1, LSE_LOG2=num_splits > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(),
     )  # fmt: skip
+    if num_splits > 1 and not merge:
+        return SplitKV(o_part, lse_part, seq_lens, min_split, out_dtype)
     if num_splits > 1:
         _mla_decode_merge_kernel[(h, b)](
             o_part, lse_part, out, lse if return_lse else lse_part,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
             out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0, seq_lens, num_splits,
-            MIN_SPLIT=min_split, BLOCK_S=triton.next_power_of_2(num_splits),
+            MIN_SPLIT=min_split, MERGE_CHUNK=MERGE_CHUNK,
             DL=kv_lora, BLOCK_DL=triton.next_power_of_2(kv_lora), STORE_LSE=return_lse,
             num_warps=4, **pdl_launch(),
         )  # fmt: skip
@@ -379,6 +477,7 @@ def mla_decode(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     use_triton: bool | None = None,
+    merge: bool = True,
 ):
     """Absorbed MLA decode over a paged latent cache.
 
@@ -389,15 +488,27 @@ def mla_decode(
     Returns o_lat [B, H, kv_lora] in q's dtype, and with return_lse also lse [B, H] float32 (natural
     log). `out`, when given, receives o_lat. Triton on CUDA (use_triton=None), the float32
     reference on CPU.
+    `merge=False` (no lse): where the Triton path splits the sequences (num_splits > 1, fixed by
+    static sizes), it returns the unmerged `SplitKV` instead of o_lat, for head_bmm to merge.
     """
     if _use_triton(q_nope_lat, use_triton):
         return mla_decode_triton(
-            q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, return_lse, out=out
-        )
+            q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, return_lse,
+            out=out, merge=merge,
+        )  # fmt: skip
     o, lse = mla_decode_ref(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale)
     if out is not None:
         o = out.copy_(o)
     return (o, lse) if return_lse else o
 
 
-__all__ = ["mla_decode", "mla_decode_ref", "mla_decode_triton", "choose_num_splits", "default_config"]
+__all__ = [
+    "SplitKV",
+    "choose_num_splits",
+    "default_config",
+    "merge_ref",
+    "mla_decode",
+    "mla_decode_ref",
+    "mla_decode_triton",
+    "used_splits_ref",
+]

@@ -13,16 +13,28 @@ weights w_kc [H, nope, C], w_vc [H, C, v]:
 Both give the same result up to rounding. Decompression is paid per cached token and the wider
 attention per (query, key) pair, so the absorbed form wins when each sequence adds few tokens to a
 long cache (chunked prefill continuations, speculative verification), the MHA form when it adds many.
+
+Decode (one new token per sequence) always runs absorbed, over the paged cache: `decode_absorbed`.
+Its last head_bmm merges mla_decode's split-KV partials while loading them and, for an FP8 o_proj,
+quantizes its own output (kernels/head_bmm.py): 3 launches (head_bmm, split-KV attention, head_bmm)
+where there were up to 5 (+ the split merge when num_splits > 1, + o_proj's act_quant when FP8).
+MLAC_FUSED_MLA_OUT=0 (read once, at import) gives the separate merge and act_quant launches back.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
+from mlac.fp8 import BLOCK
 from mlac.kernels.extend_attention import extend_attention
+from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.head_bmm import head_bmm
+from mlac.kernels.mla_decode import mla_decode
+
+FUSED_MLA_OUT: bool = os.environ.get("MLAC_FUSED_MLA_OUT") != "0"  # read once, at import
 
 # Largest kv-weighted mean of new tokens per sequence for which the absorbed form is chosen.
 # FLOP break-even: decompression 2·C·(nope + v) = 262144 per cached token per head against
@@ -84,4 +96,36 @@ def extend_absorbed(
     return head_bmm(o_lat, w_vc)  # [T, H, v]
 
 
-__all__ = ["ABSORBED_MAX_Q_LEN", "extend_absorbed", "extend_mha", "prefer_absorbed"]
+def decode_absorbed(
+    q_nope: torch.Tensor,  # [B, H, nope]
+    q_rope: torch.Tensor,  # [B, H, R] roped
+    kv_cache: torch.Tensor,  # [blocks, block_size, C + R] paged latents, bf16 or FP8 with kv_scale
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, the new token included
+    scale: float,
+    kv_scale: torch.Tensor | None,
+    w_kc: torch.Tensor,  # [H, nope, C]
+    w_vc: torch.Tensor,  # [H, C, v]
+    quant_out: bool = False,
+) -> torch.Tensor | Fp8Act:  # [B, H·v]
+    """Absorbed decode, one new token per sequence: q_lat = q_nope·w_kc, MQA over the paged latents,
+    o = o_lat·w_vc, flattened to o_proj's input [B, H·v]. `quant_out` (o_proj is FP8) returns its
+    `Fp8Act` instead: the bits o_proj's own act_quant would give (made by head_bmm when
+    FUSED_MLA_OUT and v % 128 == 0, else o_proj quantizes the tensor returned)."""
+    q_lat = head_bmm(q_nope, w_kc)  # [B, H, C] contiguous
+    o_lat = mla_decode(
+        q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale, merge=not FUSED_MLA_OUT
+    )
+    quant_out = quant_out and FUSED_MLA_OUT and w_vc.shape[-1] % BLOCK == 0
+    o = head_bmm(o_lat, w_vc, quant_out=quant_out)  # [B, H, v] (o_lat may be SplitKV partials)
+    return o if quant_out else o.flatten(1)
+
+
+__all__ = [
+    "ABSORBED_MAX_Q_LEN",
+    "FUSED_MLA_OUT",
+    "decode_absorbed",
+    "extend_absorbed",
+    "extend_mha",
+    "prefer_absorbed",
+]

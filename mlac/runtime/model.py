@@ -30,12 +30,10 @@ from torch import nn
 from mlac.config import ModelConfig
 from mlac.kernels.activation import silu_mul, silu_mul_quant
 from mlac.kernels.fp8_quant import Fp8Act
-from mlac.kernels.head_bmm import head_bmm
-from mlac.kernels.mla_decode import mla_decode
 from mlac.kernels.mla_prep import mla_prep
 from mlac.kernels.moe import fused_moe
 from mlac.kernels.moe_routing import route
-from mlac.runtime.attention_forms import extend_absorbed, extend_mha, prefer_absorbed
+from mlac.runtime.attention_forms import decode_absorbed, extend_absorbed, extend_mha, prefer_absorbed
 from mlac.runtime.dp_attention import TokenExchange
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Linear, Reads, RMSNorm, RotaryEmbedding, Weights, reads_of, take_weight
@@ -117,18 +115,21 @@ class MLAttention(nn.Module):
         if batch.is_decode:
             o = self.decode(q_nope, q_rope, batch, cache)
         else:
-            o = self.extend(q_nope, q_rope, batch, cache)
-        return self.wo(o.flatten(1).to(x.dtype))  # row-parallel: all-reduced over the ranks
+            o = self.extend(q_nope, q_rope, batch, cache).flatten(1)
+        if not isinstance(o, Fp8Act):
+            o = o.to(x.dtype)
+        return self.wo(o)  # row-parallel: all-reduced over the ranks
 
     def decode(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
-    ) -> torch.Tensor:
-        """Absorbed form, one new token per sequence: MQA over the paged latents -> [B, H_local, v].
-        An FP8 cache is read with its per-layer scale."""
-        q_lat = head_bmm(q_nope, self.w_kc)  # [B, H_local, C] contiguous
+    ) -> torch.Tensor | Fp8Act:
+        """Absorbed form, one new token per sequence: MQA over the paged latents -> [B, H_local·v],
+        quantized for `wo` when it is FP8. An FP8 cache is read with its per-layer scale."""
         kv, kv_scale = cache.layers[self.layer], cache.kv_scale(self.layer)  # [blocks, block_size, C + R]
-        o_lat = mla_decode(q_lat, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale, kv_scale)
-        return head_bmm(o_lat, self.w_vc)  # [B, H_local, v]
+        return decode_absorbed(
+            q_nope, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale, kv_scale,
+            self.w_kc, self.w_vc, quant_out=self.wo.fp8,
+        )  # fmt: skip
 
     def extend(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
