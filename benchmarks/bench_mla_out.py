@@ -7,7 +7,8 @@ sized for --max-context tokens (num_splits as a CUDA graph of that context gets 
 holding --len tokens. Per (batch, len), the time of one CUDA graph of
   separate:  split-KV attention + merge kernel + head_bmm(o_lat, w_vc)  [+ act_quant for FP8 wo]
   fused:     split-KV attention + head_bmm(partials, w_vc)  [quantizing its output for FP8 wo]
-for head_bmm's merge_chunk 4, 8 and 16, and whether the fused bits equal the separate ones.
+for head_bmm's num_warps 4/8 and merge_chunk 2-16 (and the default config), and whether the
+fused bits equal the separate ones (at equal head_bmm tiles).
 Timing: gpu_timing.graph_us (median of replays, us per graph).
 """
 
@@ -50,7 +51,7 @@ def separate(args, w_vc, fp8: bool):
     return act_quant(o.flatten(1)) if fp8 else o
 
 
-def fused(args, w_vc, fp8: bool, cfg: HB.HeadBmmConfig):
+def fused(args, w_vc, fp8: bool, cfg: HB.HeadBmmConfig | None):
     act = HB.head_bmm(mla_decode_triton(*args, merge=False), w_vc, quant_out=fp8, config=cfg)
     return (act.q, act.scale) if fp8 else act
 
@@ -68,13 +69,15 @@ def measure(b: int, length: int, max_context: int, fp8: bool) -> dict:
     row["num_splits"] = parts.o_part.shape[2] if isinstance(parts, tuple) else 1
     row["separate_us"] = graph_us([lambda: separate(args, w_vc, fp8)])
     base = HB.pick_config(b, whole_heads=True)
-    for chunk in (4, 8, 16):
-        cfg = dataclasses.replace(base, merge_chunk=chunk)
-        ref_cfg = dataclasses.replace(base)  # the same N tile on both sides: equal bits expected
-        ref = HB.head_bmm(mla_decode_triton(*args), w_vc, config=ref_cfg)
-        ref = act_quant(ref.flatten(1)) if fp8 else ref
-        row[f"fused_chunk{chunk}_us"] = graph_us([lambda cfg=cfg: fused(args, w_vc, fp8, cfg)])
-        row[f"fused_chunk{chunk}_bitwise"] = same_bits(fused(args, w_vc, fp8, cfg), ref)
+    ref = HB.head_bmm(mla_decode_triton(*args), w_vc, config=base)  # the same N tile: equal bits expected
+    ref = act_quant(ref.flatten(1)) if fp8 else ref
+    for warps in (4, 8):
+        for chunk in (2, 4, 8, 16):
+            cfg = dataclasses.replace(base, num_warps=warps, merge_chunk=chunk)
+            name = f"fused_w{warps}_chunk{chunk}"
+            row[f"{name}_us"] = graph_us([lambda cfg=cfg: fused(args, w_vc, fp8, cfg)])
+            row[f"{name}_bitwise"] = same_bits(fused(args, w_vc, fp8, cfg), ref)
+    row["fused_default_us"] = graph_us([lambda: fused(args, w_vc, fp8, None)])
     return row
 
 

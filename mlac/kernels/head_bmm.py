@@ -72,7 +72,9 @@ class HeadBmmConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    merge_chunk: int = 8  # x as split partials: splits whose tiles are loaded at once
+    # x as split partials: splits whose [block_m, block_k] float32 tiles are loaded at once (the
+    # merge's latency against registers; large tiles at large B, where there are few splits: 2)
+    merge_chunk: int = 8
 
 
 CONFIGS = {
@@ -80,9 +82,10 @@ CONFIGS = {
     # B <= 64, a program per (head, 128 outputs): merges split-KV partials once per head, and owns
     # the 128-channel quantization groups of quant_out
     "decode_heads": HeadBmmConfig(16, 128, 128, num_warps=4, num_stages=3),
-    "large": HeadBmmConfig(128, 128, 64, num_warps=8, num_stages=3),  # B > 64: tensor-core bound
+    # B > 64: tensor-core bound
+    "large": HeadBmmConfig(128, 128, 64, num_warps=8, num_stages=3, merge_chunk=2),
     # W8A8 (block_k 128): 128x128x64 x3 stages asked 262656 B of shared memory on an H200 (limit 232448)
-    "large_w8a8": HeadBmmConfig(64, 128, 128, num_warps=4, num_stages=2),
+    "large_w8a8": HeadBmmConfig(64, 128, 128, num_warps=4, num_stages=2, merge_chunk=2),
 }
 DECODE_MAX_B = 64
 
@@ -212,18 +215,9 @@ if HAS_TRITON:
                 b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if MERGE:  # o_lat's tile: the merge kernel's arithmetic, rounded as its store rounds
                 a = merge_splits(
-                    x_ptrs,
-                    stride_xs,
-                    k_ok[None, :],
-                    lse_ptrs,
-                    1,
-                    row_ok,
-                    used,
-                    n_used,
-                    mx,
-                    denom,
-                    MERGE_CHUNK,
-                )
+                    x_ptrs, stride_xs, k_ok[None, :], lse_ptrs, 1, row_ok, used,
+                    n_used, mx, denom, MERGE_CHUNK,
+                )  # fmt: skip
                 a = a.to(X_DTYPE)  # [BM, BK]
             elif EVEN_K:
                 a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)

@@ -30,7 +30,8 @@ from mlac.kernels._triton import use_triton as _use_triton
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-MERGE_CHUNK = 16  # splits the merge kernel loads at once (a [512] float32 row each)
+# Splits whose partial rows the merge kernel loads at once (8 warps: 2 registers a [512] row).
+MERGE_CHUNK = 32
 
 
 class SplitKV(NamedTuple):
@@ -461,7 +462,7 @@ def mla_decode_triton(
             out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0, seq_lens, num_splits,
             MIN_SPLIT=min_split, MERGE_CHUNK=MERGE_CHUNK,
             DL=kv_lora, BLOCK_DL=triton.next_power_of_2(kv_lora), STORE_LSE=return_lse,
-            num_warps=4, **pdl_launch(),
+            num_warps=8, **pdl_launch(),
         )  # fmt: skip
     return (out, lse) if return_lse else out
 

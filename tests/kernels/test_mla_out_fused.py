@@ -74,6 +74,19 @@ def test_fp8_cache_partials_merge_bitwise(triton_device):
     )
 
 
+@pytest.mark.parametrize("name", ["large", "large_w8a8"])
+def test_large_batch_tiles_merge_bitwise(triton_device, name):
+    """The B > 64 tiles (merge_chunk 2, 64-wide K steps for "large"), here on 20 requests."""
+    args, kv_scale, w_vc = _case(triton_device, heads=2, lens=[0, 16, 17, 5, 130] * 4, seed=11)
+    parts, o_lat = _both(args, kv_scale, 5)
+    cfg = hb.CONFIGS[name]
+    plain = hb.head_bmm(o_lat, w_vc, use_triton=True, config=cfg)
+    assert torch.equal(hb.head_bmm(parts, w_vc, use_triton=True, config=cfg), plain)
+    act = hb.head_bmm(parts, w_vc, quant_out=True, use_triton=True, config=cfg)
+    q, sc = quantize_act_ref(plain.flatten(1))
+    assert torch.equal(act.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(act.scale, sc)
+
+
 def test_one_split_returns_o_lat(triton_device):
     """num_splits == 1: the split kernel writes o_lat itself; merge=False returns it as it is."""
     args, kv_scale, _ = _case(triton_device)
