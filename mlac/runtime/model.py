@@ -24,7 +24,6 @@ sums back. A rank with no tokens in a step (`batch` None) skips attention and jo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mlac.config import ModelConfig
@@ -34,7 +33,7 @@ from mlac.kernels.head_bmm import head_bmm
 from mlac.kernels.mla_decode import mla_decode
 from mlac.kernels.mla_prep import mla_prep
 from mlac.kernels.moe import fused_moe
-from mlac.kernels.moe_routing import route
+from mlac.kernels.router_gemv import gate_and_route
 from mlac.runtime.attention_forms import extend_absorbed, extend_mha, prefer_absorbed
 from mlac.runtime.dp_attention import TokenExchange
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
@@ -205,12 +204,11 @@ class MoE(nn.Module):
         """x [T, D], or its Fp8Act carrying x (Reads.FP8_AND_X)."""
         x, x_act = (x.x, x) if isinstance(x, Fp8Act) else (x, None)
         c = self.config
-        # Router logits [T, E] in float32 (the gate is float32: loader.ROUTER), one GEMM for all tokens.
-        # NOTE: a kernel that computed them and routed in one launch, one program per token, re-read
-        # the gate per token: 48 us per layer at batch 1 on an H200 (benchmarks/results/decode_h200.md).
-        logits = F.linear(x.float(), self.gate)
-        weights, ids = route(  # [T, top_k] each
-            logits,
+        # Router logits [T, E] in float32 (the gate is float32: loader.ROUTER), then routing: one
+        # launch at decode (router_gemv; MLAC_ROUTER_KERNEL=0: F.linear, then route).
+        weights, ids = gate_and_route(  # [T, top_k] each
+            x,
+            self.gate,
             top_k=c.num_experts_per_tok,
             method=c.topk_method,
             scoring=c.scoring_func,
