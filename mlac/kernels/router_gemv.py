@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from mlac.errors import MlacError
 from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import sm_count
@@ -47,6 +48,7 @@ from mlac.kernels.moe_routing import (
 
 ROUTER_KERNEL_ENV = "MLAC_ROUTER_KERNEL"
 ROUTER_KERNEL: str = os.environ.get(ROUTER_KERNEL_ENV, "1")  # read once, at import
+SWITCHES = ("1", "logits", "0")
 MAX_ROWS = 16  # the largest T the logits kernel takes (F.linear above)
 FUSED_MAX_ROWS = 4  # the largest T whose routing runs inside the same launch
 T_CLASSES = (1, 4, MAX_ROWS)  # BLOCK_T of a launch: the smallest class >= T (one compile each)
@@ -55,7 +57,7 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Plan = Literal["fused", "logits", "torch"]
 
 
-def router_plan(t: int, switch: str = ROUTER_KERNEL) -> Plan:
+def router_plan(t: int, switch: str | None = None) -> Plan:
     """How the router runs for t tokens on the GPU: "fused" (logits and routing, one launch),
     "logits" (the logits kernel, then `route`) or "torch" (F.linear, then `route`).
 
@@ -66,7 +68,11 @@ def router_plan(t: int, switch: str = ROUTER_KERNEL) -> Plan:
     also re-reads the T x rows from L2 (T·D·2 bytes). Above 16 rows cuBLAS (a real GEMM, the cast
     amortized over the rows) takes over. The fused routing runs the T tokens one after the other in
     one program (about 1 us each): worth one launch (~5 us) for up to 4 tokens, not for 16.
+    `switch`: MLAC_ROUTER_KERNEL's value (default: as read at import).
     """
+    switch = ROUTER_KERNEL if switch is None else switch
+    if switch not in SWITCHES:
+        raise MlacError(f"{ROUTER_KERNEL_ENV}={switch}: say 1 (default), logits or 0")
     if switch == "0" or not 1 <= t <= MAX_ROWS:
         return "torch"
     if switch == "logits" or t > FUSED_MAX_ROWS:
@@ -90,9 +96,10 @@ class RouterConfig:
 
 def pick_config(e: int, d: int, block_t: int, sms: int) -> RouterConfig:
     """About one program per SM (BLOCK_E = E / SMs rounded up to a power of two, at least 2), and a
-    [BLOCK_T, BLOCK_E, BLOCK_D] product of at most 4096 float32 (32 registers a thread at 4 warps)."""
+    [BLOCK_T, BLOCK_E, BLOCK_D] product of at most 4096 float32 (32 registers a thread at 4 warps):
+    few D steps at one row (V2-Lite: one, V3: four), each with 8-16 KB of the gate in flight."""
     block_e = max(2, triton.next_power_of_2(triton.cdiv(e, sms)))
-    block_d = max(64, min(1024, 4096 // (block_t * block_e), triton.next_power_of_2(d)))
+    block_d = max(64, min(4096 // (block_t * block_e), triton.next_power_of_2(d)))
     return RouterConfig(block_e, block_d)
 
 
@@ -123,6 +130,20 @@ def _arrival_counter(device: torch.device) -> torch.Tensor:
 
 
 @jit
+def _chunk(x_rows, g_rows, d0, t_ok, e_ok, offs_d, D, EVEN_D: tl.constexpr):
+    """(x [BT, BD] float32, gate [BE, BD]) at columns d0 + offs_d (zeros past T, E, D)."""
+    if EVEN_D:
+        x_ok = t_ok[:, None]
+        g_ok = e_ok[:, None]
+    else:
+        d_ok = d0 + offs_d < D
+        x_ok = t_ok[:, None] & d_ok[None, :]
+        g_ok = e_ok[:, None] & d_ok[None, :]
+    x = tl.load(x_rows + d0, mask=x_ok, other=0.0).to(tl.float32)
+    return x, tl.load(g_rows + d0, mask=g_ok, other=0.0)
+
+
+@jit
 def _logits_block(
     x_ptr, gate_ptr, offs_t, offs_e, T, D, stride_xt,
     E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -134,18 +155,15 @@ def _logits_block(
     offs_d = tl.arange(0, BLOCK_D)
     x_rows = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_d[None, :]  # [BT, BD]
     g_rows = gate_ptr + offs_e[:, None].to(tl.int64) * D + offs_d[None, :]  # [BE, BD]
+    last = (tl.cdiv(D, BLOCK_D) - 1) * BLOCK_D
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    x, g = _chunk(x_rows, g_rows, 0, t_ok, e_ok, offs_d, D, EVEN_D)
     for d0 in range(0, D, BLOCK_D):
-        if EVEN_D:
-            x_ok = t_ok[:, None]
-            g_ok = e_ok[:, None]
-        else:
-            d_ok = d0 + offs_d < D
-            x_ok = t_ok[:, None] & d_ok[None, :]
-            g_ok = e_ok[:, None] & d_ok[None, :]
-        x = tl.load(x_rows + d0, mask=x_ok, other=0.0).to(tl.float32)  # [BT, BD]
-        g = tl.load(g_rows + d0, mask=g_ok, other=0.0)  # [BE, BD]
+        # NOTE: the next chunk's loads are issued before this one's math (two chunks in flight);
+        # the last step reloads its own chunk rather than read past D.
+        x_next, g_next = _chunk(x_rows, g_rows, tl.minimum(d0 + BLOCK_D, last), t_ok, e_ok, offs_d, D, EVEN_D)
         acc += tl.sum(x[:, None, :] * g[None, :, :], axis=2)
+        x, g = x_next, g_next
     return acc
 
 
@@ -314,7 +332,9 @@ def gate_and_route(
         routed_scaling_factor=routed_scaling_factor,
         bias=bias,
     )
-    plan = router_plan(x.shape[0]) if _use_triton(x, use_triton) else "torch"
+    plan = router_plan(x.shape[0])
+    if not _use_triton(x, use_triton):
+        plan = "torch"
     if plan != "torch" and (x.dtype not in X_DTYPES or gate.dtype != torch.float32):
         plan = "torch"
     if plan != "torch" and x.stride(-1) != 1:
