@@ -21,9 +21,11 @@ the renormalization at most doubles that, hence 1e-6 + 4·dz with dz the logits'
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,3 +264,51 @@ def test_gpu_graph_replay_keeps_the_counter_at_zero():
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(eager, captured, strict=True))
         assert rg._arrival_counter(x.device).item() == 0
+
+
+# ---- the sm90 compile (runs on CPU; nothing is launched) ------------------------------------------
+
+COMPILE_SM90 = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mlac.kernels.moe_routing import _route_launch_args
+from mlac.kernels.router_gemv import _router_kernel, pick_config
+
+sig = {"x_ptr": "*bf16", "gate_ptr": "*fp32", "logits_ptr": "*fp32", "bias_ptr": "*fp32",
+       "weights_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32", "T": "i32", "D": "i32",
+       "stride_xt": "i32", "scale": "fp32"}
+v3 = dict(top_k=8, method="noaux_tc", scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True,
+          routed_scaling_factor=2.5, bias=True)
+out = {}
+for block_t, route in ((1, True), (16, False)):
+    e, d = 256, 7168
+    _, consts = _route_launch_args(e, **v3)
+    consts.pop("num_warps")
+    cfg = pick_config(e, d, block_t, 132)
+    consts.update(E=e, BLOCK_T=block_t, BLOCK_E=cfg.block_e, BLOCK_D=cfg.block_d, EVEN_D=d % cfg.block_d == 0,
+                  ROUTE=route, PDL=True, EXACT_EXP=True)
+    src = ASTSource(_router_kernel, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "launch_pdl": True})
+    ptx = k.asm["ptx"]
+    out[str(route)] = {"wait": "griddepcontrol.wait" in ptx, "atomic": "atom." in ptx, "spill": ".local" in ptx}
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_compiles_for_sm90_with_the_pdl_wait_and_no_spills(tmp_path):
+    """The V3 variants (fused at one row, logits at 16) compile for an H100/H200 on any machine:
+    the PDL wait is there, the fused one takes its ticket with an atomic, neither spills registers."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True)
+    if out.returncode != 0 and "ptxas" in out.stderr:
+        pytest.skip("no ptxas for sm90 here")
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {
+        "True": {"wait": True, "atomic": True, "spill": False},
+        "False": {"wait": True, "atomic": False, "spill": False},
+    }
