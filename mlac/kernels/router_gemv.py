@@ -306,6 +306,14 @@ def router_route_triton(
     return weights, ids, logits
 
 
+def _plan_for(x: torch.Tensor, gate: torch.Tensor, use_triton: bool | None) -> Plan:
+    """router_plan's choice where the kernel can run (Triton here, as `use_triton` or the device
+    says; x of a kernel dtype; a contiguous float32 gate), else "torch"."""
+    plan = router_plan(x.shape[0])  # checks the switch on any device
+    kernel_ok = x.dtype in X_DTYPES and gate.dtype == torch.float32 and gate.is_contiguous()
+    return plan if kernel_ok and _use_triton(x, use_triton) else "torch"
+
+
 def gate_and_route(
     x: torch.Tensor,
     gate: torch.Tensor,
@@ -332,11 +340,7 @@ def gate_and_route(
         routed_scaling_factor=routed_scaling_factor,
         bias=bias,
     )
-    plan = router_plan(x.shape[0])
-    if not _use_triton(x, use_triton):
-        plan = "torch"
-    if plan != "torch" and (x.dtype not in X_DTYPES or gate.dtype != torch.float32):
-        plan = "torch"
+    plan = _plan_for(x, gate, use_triton)
     if plan != "torch" and x.stride(-1) != 1:
         x = x.contiguous()
     if plan == "fused":
