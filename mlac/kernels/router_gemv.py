@@ -12,7 +12,7 @@ EXPERTS: program p computes BLOCK_E experts for all T rows, streaming its [BLOCK
 gate once (the whole gate is read once, spread over about one program per SM) and x's T rows (from
 L2) in BLOCK_D steps, as a [BLOCK_T, BLOCK_E, BLOCK_D] broadcast product on CUDA cores.
 
-Fused routing (`route=True`): each program stores its logits, then takes a ticket from an arrival
+Fused routing (`router_route_triton`, the kernel's ROUTE constexpr): each program stores its logits, then takes a ticket from an arrival
 counter; the program that arrives last reads the [T, E] logits back and routes the T tokens one
 after the other with moe_routing's `_route_tile` (route_ref's rule, the same code as
 `_route_kernel`), then puts the counter back to 0, so every launch and every CUDA-graph replay
@@ -87,7 +87,7 @@ def t_class(t: int) -> int:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Tiles: BLOCK_E experts per program, BLOCK_D columns per step (powers of two, >= 2)."""
+    """Tiles: BLOCK_E experts per program (>= 2), BLOCK_D columns per step; powers of two."""
 
     block_e: int
     block_d: int
@@ -97,7 +97,7 @@ class RouterConfig:
 def pick_config(e: int, d: int, block_t: int, sms: int) -> RouterConfig:
     """About one program per SM (BLOCK_E = E / SMs rounded up to a power of two, at least 2), and a
     [BLOCK_T, BLOCK_E, BLOCK_D] product of at most 4096 float32 (32 registers a thread at 4 warps):
-    few D steps at one row (V2-Lite: one, V3: four), each with 8-16 KB of the gate in flight."""
+    few D steps at one row (V2-Lite: one, V3: four), each a 16 KB slice of the gate, two in flight."""
     block_e = max(2, triton.next_power_of_2(triton.cdiv(e, sms)))
     block_d = max(64, min(4096 // (block_t * block_e), triton.next_power_of_2(d)))
     return RouterConfig(block_e, block_d)
