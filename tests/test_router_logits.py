@@ -292,15 +292,16 @@ for block_t, route in ((1, True), (16, False)):
     src = ASTSource(_router_kernel, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "launch_pdl": True})
     ptx = k.asm["ptx"]
-    out[str(route)] = {"wait": "griddepcontrol.wait" in ptx, "atomic": "atom." in ptx, "spill": ".local" in ptx}
+    out[str(route)] = {"wait": "griddepcontrol.wait" in ptx, "atomic": "atom." in ptx, "local": ".local" in ptx}
 print(json.dumps(out))
 """
 
 
 @needs_triton
-def test_compiles_for_sm90_with_the_pdl_wait_and_no_spills(tmp_path):
+def test_compiles_for_sm90_with_the_pdl_wait_and_no_local_memory(tmp_path):
     """The V3 variants (fused at one row, logits at 16) compile for an H100/H200 on any machine:
-    the PDL wait is there, the fused one takes its ticket with an atomic, neither spills registers."""
+    the PDL wait is there, the fused one takes its ticket with an atomic, neither uses local memory
+    (ptxas -v, run by hand on 2026-11-23: 56-159 registers, no spills, for V2-Lite and V3)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     out = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True)
@@ -309,8 +310,8 @@ def test_compiles_for_sm90_with_the_pdl_wait_and_no_spills(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {
-        "True": {"wait": True, "atomic": True, "spill": False},
-        "False": {"wait": True, "atomic": False, "spill": False},
+        "True": {"wait": True, "atomic": True, "local": False},
+        "False": {"wait": True, "atomic": False, "local": False},
     }
 
 
