@@ -3,7 +3,7 @@
 The reader parses the header itself and reads one tensor at a time with plain file reads (no
 mmap), so the compiler's memory holds only the tensors it is working on and a truncated or
 corrupt file is reported before any data is used. The writer computes the header up front and
-streams each tensor's bytes in chunks, hashing them as they go.
+streams each tensor's bytes in chunks, hashing them as they go (whole and per piece: hashing.py).
 
 Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
 then the raw little-endian data. Offsets are relative to the end of the header.
@@ -11,7 +11,6 @@ then the raw little-endian data. Offsets are relative to the end of the header.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import queue
@@ -25,6 +24,7 @@ from typing import BinaryIO
 import torch
 
 from mlac.errors import MlacError
+from mlac.hashing import PIECE_SIZE, StreamHash
 from mlac.jsonio import load_json
 
 DTYPES: dict[str, torch.dtype] = {
@@ -234,11 +234,12 @@ def _nbytes(spec: WriteSpec) -> int:
 
 class _Out:
     """A file written and hashed on a background thread, so that both overlap the producer's
-    work (hashlib and file writes release the GIL). At most QUEUE_CHUNKS chunks are in flight."""
+    work (hashlib and file writes release the GIL). At most QUEUE_CHUNKS chunks are in flight.
+    `h` hashes what was written, whole and in pieces of `piece` bytes."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, piece: int):
         self.f = open(path, "wb")
-        self.h = hashlib.sha256()
+        self.h = StreamHash(piece)
         self.size = 0
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_CHUNKS)
@@ -269,8 +270,11 @@ class _Out:
             raise MlacError(f"{self.f.name}: write failed ({self.error})")
 
 
-def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) -> list[tuple[int, str]]:
-    """Write several files with the same tensor names (one per rank), tensor by tensor.
+def write_safetensors_lockstep(
+    paths: list[Path], specs: list[list[WriteSpec]], piece: int = PIECE_SIZE
+) -> list[StreamHash]:
+    """Write several files with the same tensor names (one per rank), tensor by tensor; return
+    each file's hashes (its size, sha256, and sha256 per `piece` bytes), computed as it was written.
 
     The ranks' chunks of one tensor are written in turn, so that slices of one source tensor
     are produced while it is still in the reader's cache: each source tensor is read once.
@@ -279,7 +283,7 @@ def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) 
     position = {name: i for i, name in enumerate(names)}
     specs = [sorted(s, key=lambda x: position[x.name]) for s in specs]
     assert all([x.name for x in s] == names for s in specs), "ranks must hold the same tensor names"
-    outs = [_Out(p) for p in paths]
+    outs = [_Out(p, piece) for p in paths]
     try:
         for out, s in zip(outs, specs, strict=True):
             out.write(memoryview(encode_header([(x.name, x.dtype, x.shape) for x in s])[0]))
@@ -288,7 +292,9 @@ def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) 
     finally:
         for out in outs:
             out.close()
-    return [(out.size, out.h.hexdigest()) for out in outs]
+    for out in outs:
+        assert out.h.size == out.size, (out.f.name, out.h.size, out.size)
+    return [out.h for out in outs]
 
 
 def _write_tensor_lockstep(outs: list[_Out], specs: list[WriteSpec]) -> None:

@@ -1,0 +1,66 @@
+"""sha256 of a byte stream, of the whole and of each fixed-size piece, in one pass over the bytes.
+
+A file longer than one piece gets a digest per piece [k*piece, (k+1)*piece) (the last one shorter),
+so that a reader can check its pieces on several threads at once (runtime/readpass.py); the whole
+digest is kept beside them (artifacts/README.md says which is checked where). A leaf module: the
+writer (safetensors_io) and the manifest (artifact) both use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+PIECE_SIZE = 256 << 20  # bytes per hashed piece: a V3 MTP file of ~11 GB per rank is ~42 pieces
+
+
+class StreamHash:
+    """Feed a file's bytes in order (`update`, any chunk sizes); then `digest` is the sha256 of all
+    of them and `pieces` the sha256 of each `piece`-byte piece, or [] when the stream is no longer
+    than one piece (a file that small is checked whole). `whole=False` hashes the pieces only (half
+    the work, for a reader that checks pieces); then `digest` may not be called."""
+
+    def __init__(self, piece: int = PIECE_SIZE, whole: bool = True):
+        assert piece > 0, piece
+        self.piece = piece
+        self.size = 0
+        self._whole = hashlib.sha256() if whole else None
+        self._part = hashlib.sha256()  # the piece being fed
+        self._done: list[str] = []  # digests of the full pieces so far
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if self._whole is not None:
+            self._whole.update(view)
+        while len(view):
+            room = self.piece - self.size % self.piece
+            self._part.update(view[:room])
+            self.size += min(room, len(view))
+            view = view[room:]
+            if self.size % self.piece == 0:
+                self._done.append(self._part.hexdigest())
+                self._part = hashlib.sha256()
+
+    def digest(self) -> str:
+        assert self._whole is not None, "StreamHash(whole=False) has no whole digest"
+        return self._whole.hexdigest()
+
+    def pieces(self) -> list[str]:
+        if self.size <= self.piece:
+            return []
+        tail = [self._part.hexdigest()] if self.size % self.piece else []
+        return self._done + tail
+
+
+def hash_file(path: Path, piece: int = PIECE_SIZE, whole: bool = True, chunk: int = 1 << 24) -> StreamHash:
+    """A file's StreamHash, read once in chunks of `chunk` bytes."""
+    h = StreamHash(piece, whole)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h
+
+
+def piece_count(size: int, piece: int) -> int:
+    """How many pieces a file of `size` bytes has (the last one may be shorter)."""
+    return -(-size // piece)
