@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -314,38 +316,68 @@ def file_entry(root: Path, rel: str, piece: int = PIECE_SIZE) -> FileEntry:
     return FileEntry.of(rel, hash_file(root / rel, piece))
 
 
-def check_hashes(path: Path, entry: FileEntry) -> None:
-    """Raise unless the file's bytes match `entry`: its pieces when it has them, else its sha256."""
-    if entry.pieces is None:
-        got = [sha256_file(path)]
-    else:
-        got = hash_file(path, entry.pieces.size, whole=False).pieces()
-    for (begin, end, want), digest in zip(entry.checks(), got, strict=True):
-        if digest != want:
-            raise MlacError(hash_mismatch(entry, begin, end))
-
-
 def verify_files(
     root: str | Path,
     manifest: Manifest,
     progress: Any = None,
     files: list[FileEntry] | None = None,
     hashes: bool = True,
+    threads: int | None = None,
 ) -> None:
-    """Check every file (or `files`): present, its size, and with `hashes` its bytes (the tamper
-    check, check_hashes); raise naming the first one that is missing or does not match."""
+    """Check every file (or `files`): present with its size; then, with `hashes`, its bytes (the
+    tamper check): each range of FileEntry.checks (the file's pieces, or the whole file) hashed on
+    one of `threads` threads (default: this process's CPUs, at most VERIFY_THREADS). Raise naming
+    the first file, in the manifest's order, that is missing, of another size, or whose bytes
+    differ (with the piece's byte range). `progress(n)` is called with the bytes checked."""
     root = Path(root)
-    for entry in manifest.files if files is None else files:
-        path = root / entry.path
-        if not path.is_file():
-            raise MlacError(f"{entry.path}: missing from the artifact")
-        size = path.stat().st_size
-        if size != entry.size:
-            raise MlacError(f"{entry.path}: size {size} does not match the manifest ({entry.size})")
-        if hashes:
-            check_hashes(path, entry)
-        if progress is not None:
+    entries = manifest.files if files is None else files
+    for entry in entries:
+        check_size(root, entry)
+        if progress is not None and not hashes:
             progress(entry.size)
+    if not hashes:
+        return
+    ranges = [(entry, begin, end, want) for entry in entries for begin, end, want in entry.checks()]
+    pool = ThreadPoolExecutor(
+        max(1, min(threads or _cpus(), VERIFY_THREADS)), thread_name_prefix="mlac-verify"
+    )
+    try:
+        digests = pool.map(lambda r: sha256_range(root / r[0].path, r[1], r[2]), ranges)
+        for (entry, begin, end, want), digest in zip(ranges, digests, strict=True):
+            if digest != want:
+                raise MlacError(hash_mismatch(entry, begin, end))
+            if progress is not None:
+                progress(end - begin)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+VERIFY_THREADS = 16  # sha256 runs at ~1.1 GB/s per core: verify scales with threads up to the disk
+
+
+def check_size(root: Path, entry: FileEntry) -> None:
+    """Raise unless `root/entry.path` is a file of the manifest's size."""
+    path = root / entry.path
+    if not path.is_file():
+        raise MlacError(f"{entry.path}: missing from the artifact")
+    size = path.stat().st_size
+    if size != entry.size:
+        raise MlacError(f"{entry.path}: size {size} does not match the manifest ({entry.size})")
+
+
+def sha256_range(path: Path, begin: int, end: int, chunk: int = 1 << 24) -> str:
+    """The sha256 of bytes [begin, end) of a file (of fewer, if it ends before `end`)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        f.seek(begin)
+        while begin < end and (block := f.read(min(chunk, end - begin))):
+            h.update(block)
+            begin += len(block)
+    return h.hexdigest()
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # -- kernel caches: one per GPU target, under cache/<key>/ ------------------------------------------

@@ -17,21 +17,19 @@ PIECE_SIZE = 256 << 20  # bytes per hashed piece: a V3 MTP file of ~11 GB per ra
 class StreamHash:
     """Feed a file's bytes in order (`update`, any chunk sizes); then `digest` is the sha256 of all
     of them and `pieces` the sha256 of each `piece`-byte piece, or [] when the stream is no longer
-    than one piece (a file that small is checked whole). `whole=False` hashes the pieces only (half
-    the work, for a reader that checks pieces); then `digest` may not be called."""
+    than one piece (a file that small is checked whole)."""
 
-    def __init__(self, piece: int = PIECE_SIZE, whole: bool = True):
+    def __init__(self, piece: int = PIECE_SIZE):
         assert piece > 0, piece
         self.piece = piece
         self.size = 0
-        self._whole = hashlib.sha256() if whole else None
+        self._whole = hashlib.sha256()
         self._part = hashlib.sha256()  # the piece being fed
         self._done: list[str] = []  # digests of the full pieces so far
 
     def update(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
-        if self._whole is not None:
-            self._whole.update(view)
+        self._whole.update(view)
         while len(view):
             room = self.piece - self.size % self.piece
             self._part.update(view[:room])
@@ -42,7 +40,6 @@ class StreamHash:
                 self._part = hashlib.sha256()
 
     def digest(self) -> str:
-        assert self._whole is not None, "StreamHash(whole=False) has no whole digest"
         return self._whole.hexdigest()
 
     def pieces(self) -> list[str]:
@@ -52,9 +49,9 @@ class StreamHash:
         return self._done + tail
 
 
-def hash_file(path: Path, piece: int = PIECE_SIZE, whole: bool = True, chunk: int = 1 << 24) -> StreamHash:
+def hash_file(path: Path, piece: int = PIECE_SIZE, chunk: int = 1 << 24) -> StreamHash:
     """A file's StreamHash, read once in chunks of `chunk` bytes."""
-    h = StreamHash(piece, whole)
+    h = StreamHash(piece)
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)

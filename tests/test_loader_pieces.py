@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_loader_pass import RANK, assert_same, every_dtype, make_artifact, reference
 
+from mlac import artifact
 from mlac.artifact import IDENTITY, FileEntry, Manifest, artifact_identity, identity_record, verify_files
 from mlac.compiler.writer import ArtifactWriter
 from mlac.errors import MlacError
@@ -166,6 +167,21 @@ def test_a_flipped_byte_in_piece_k_is_refused_naming_the_file_and_piece(art, k):
             start_load(art, threads=threads).join()
     with pytest.raises(MlacError, match=where):
         verify_files(art, Manifest.load(art))
+
+
+def test_verify_hashes_pieces_on_several_threads_and_counts_every_byte(pieced, monkeypatch):
+    real, readers, counted = artifact.sha256_range, {}, []
+
+    def slow_range(path, begin, end):
+        readers.setdefault(path.name, set()).add(threading.get_ident())
+        time.sleep(0.0005)  # let the other threads take pieces meanwhile
+        return real(path, begin, end)
+
+    monkeypatch.setattr(artifact, "sha256_range", slow_range)
+    manifest = Manifest.load(pieced)
+    verify_files(pieced, manifest, progress=counted.append, threads=4)
+    assert len(readers["big.safetensors"]) > 1
+    assert sum(counted) == sum(f.size for f in manifest.files)
 
 
 def test_no_verify_checks_sizes_only(art, pieced):
