@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
-from mlac.hashing import PIECE_SIZE, StreamHash, hash_file, piece_count
+from mlac.hashing import PIECE_SIZE, FileHashes, hash_file, piece_count
 
 SCHEMA_VERSION = 2  # what this mlac writes; 2: files may carry piece hashes (FileEntry.pieces)
 READS = (1, 2)  # the schema versions this mlac loads
@@ -172,10 +172,10 @@ class FileEntry(Frozen):
         return self
 
     @classmethod
-    def of(cls, path: str, h: StreamHash) -> FileEntry:
-        """The entry of a file whose bytes `h` hashed (pieces when it is longer than one piece)."""
-        pieces = Pieces(size=h.piece, sha256=h.pieces()) if h.pieces() else None
-        return cls(path=path, size=h.size, sha256=h.digest(), pieces=pieces)
+    def of(cls, path: str, h: FileHashes) -> FileEntry:
+        """The entry of a file with hashes `h` (pieces when it is longer than one piece)."""
+        pieces = Pieces(size=h.piece, sha256=h.pieces) if h.pieces else None
+        return cls(path=path, size=h.size, sha256=h.sha256, pieces=pieces)
 
     def checks(self) -> list[tuple[int, int, str]]:
         """(begin, end, sha256) of each byte range that is hashed on its own: every piece, or the

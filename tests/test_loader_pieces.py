@@ -19,7 +19,7 @@ from mlac import artifact
 from mlac.artifact import IDENTITY, FileEntry, Manifest, artifact_identity, identity_record, verify_files
 from mlac.compiler.writer import ArtifactWriter
 from mlac.errors import MlacError
-from mlac.hashing import StreamHash
+from mlac.hashing import PieceHash, hash_file
 from mlac.lazy import LazyTensor
 from mlac.runtime import readpass
 from mlac.runtime.loader import load_artifact, start_load
@@ -80,14 +80,22 @@ def flip(path: Path, at: int) -> None:
 
 
 @pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 2000, 4567])
-def test_stream_hash_pieces_equal_the_hash_of_each_slice(size):
+def test_piece_hashes_equal_the_hash_of_each_slice(size, tmp_path):
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
     data = data.numpy().tobytes()
-    h = StreamHash(PIECE)
+    want = piece_hashes(data, PIECE) if size > PIECE else []
+    h = PieceHash(PIECE)
     for i in range(0, size, 333):  # chunks that straddle piece boundaries
         h.update(data[i : i + 333])
-    assert (h.size, h.digest()) == (size, hashlib.sha256(data).hexdigest())
-    assert h.pieces() == (piece_hashes(data, PIECE) if size > PIECE else [])
+    assert (h.size, h.pieces()) == (size, want)
+    (tmp_path / "f").write_bytes(data)
+    got = hash_file(tmp_path / "f", PIECE, chunk=777)
+    assert (got.size, got.sha256, got.piece, got.pieces) == (
+        size,
+        hashlib.sha256(data).hexdigest(),
+        PIECE,
+        want,
+    )
 
 
 def test_the_writer_hashes_pieces_as_it_writes(tmp_path):
@@ -121,6 +129,14 @@ def test_lockstep_writer_returns_the_hashes_of_what_it_wrote(tmp_path):
         {"path": "f", "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
          "pieces": {"size": 512, "sha256": piece_hashes(data, 512)}}
     )  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_failed_write_is_one_line_naming_the_file():
+    t = torch.arange(1000, dtype=torch.int32)
+    spec = WriteSpec("t", t.dtype, tuple(t.shape), t.split(77))
+    with pytest.raises(MlacError, match=r"^/dev/full: write failed \(.*No space left on device\)$"):
+        write_safetensors_lockstep([Path("/dev/full")], [[spec]], piece=512)
 
 
 # -- loading -------------------------------------------------------------------------------------
