@@ -156,6 +156,17 @@ def test_a_file_in_pieces_loads_bit_identically_with_any_threads(pieced, monkeyp
     assert_same(start_load(pieced, dtype=torch.float32, threads=threads).join().tensors, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pieces_on_cuda_through_pinned_staging_equal_the_cpu_load(pieced, monkeypatch):
+    monkeypatch.setattr(readpass, "CHUNK", 300)  # many staged copies per piece, both buffers reused
+    cpu = load_artifact(pieced, dtype=torch.bfloat16).tensors
+    for load in (load_artifact, lambda *a, **k: start_load(*a, **k).join()):
+        gpu = load(pieced, device="cuda", dtype=torch.bfloat16, threads=5).tensors
+        assert {t.device.type for t in gpu.values()} == {"cuda"}
+        assert_same({k: t.cpu() for k, t in gpu.items()}, cpu)
+
+
 def test_the_pieces_of_one_file_are_read_by_several_threads(pieced, monkeypatch):
     real, readers = readpass.read_exact, {}
 

@@ -2,11 +2,13 @@
 
 The work is a list of byte ranges, each hashed on its own (sha256 is sequential per range): a file
 with piece hashes in the manifest (FileEntry.pieces) gives one range per piece, any other file one
-range for the whole file. Any thread takes the next range, largest first, and reads it in order in
-chunks of `chunk` bytes, hashing them and copying them to the range's offset of the file's
-destination; a file is finished by the thread that completes its last range, once every range is
-in place and matched its sha256. So one big file loads with every thread, not one. hashlib and
-file reads release the GIL, so the threads hash and read at the same time. Where the bytes land:
+range for the whole file. The ranges are queued file by file, largest file first, each file's in
+order; any thread takes the next one and reads it in chunks of `chunk` bytes, hashing them and
+copying them to the range's offset of the file's destination. A file is finished by the thread that
+completes its last range, once every range is in place and matched its sha256. So one big file
+loads with every thread, not one, and only the few files being read hold a destination the pass
+allocated. hashlib and file reads release the GIL, so the threads hash and read at the same time.
+Where the bytes land:
 
 - cpu: straight into the file's destination tensor (no staging);
 - cuda: into pinned staging buffers (two per thread), copied with `non_blocking=True` on the
@@ -16,10 +18,10 @@ file reads release the GIL, so the threads hash and read at the same time. Where
 A file's bytes become one uint8 tensor on the device (or are only hashed, for files that hold no
 tensors); `finish` turns that tensor into the caller's result once every byte is in place and, with
 `verify`, every range's sha256 matched the manifest. A range that does not match fails the pass
-with a message naming the file (and the piece's bytes): its file is never finished. A caller that allocated the file's place itself
-(`FileRead.dest`, cpu or cuda) can run the pass in the background (`ReadPass.start`, then `join`)
-while it does other work on the main thread (loader.start_load: the CUDA graphs are captured
-meanwhile). A pass's streams and events are made by the thread that makes the ReadPass; each
+with a message naming the file (and the piece's bytes): its file is never finished. A caller that
+allocated the file's place itself (`FileRead.dest`, cpu or cuda) can run the pass in the background
+(`ReadPass.start`, then `join`) while it does other work on the main thread (loader.start_load:
+the CUDA graphs are captured meanwhile). A pass's streams and events are made by the thread that makes the ReadPass; each
 reader pins its staging first thing, and `start` returns once all have.
 """
 
@@ -114,8 +116,9 @@ class ReadPass:
         self.verify = verify
         self.stop = threading.Event()
         self.work: queue.SimpleQueue[_Range] = queue.SimpleQueue()
+        # largest file first (the threads finish together), each file's ranges in order (few files open)
         ranges = [r for f in sorted(self.todo, key=lambda f: -f.size) for r in _ranges(f)]
-        for r in sorted(ranges, key=lambda r: -r.size):  # largest first: the threads finish together
+        for r in ranges:
             self.work.put(r)
         chunk = max(1, min(chunk or CHUNK, max((r.size for r in ranges), default=1)))
         n = max(1, min(threads or default_threads(), len(ranges)))
