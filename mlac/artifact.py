@@ -327,8 +327,8 @@ def verify_files(
     """Check every file (or `files`): present with its size; then, with `hashes`, its bytes (the
     tamper check): each range of FileEntry.checks (the file's pieces, or the whole file) hashed on
     one of `threads` threads (default: this process's CPUs, at most VERIFY_THREADS). Raise naming
-    the first file, in the manifest's order, that is missing, of another size, or whose bytes
-    differ (with the piece's byte range). `progress(n)` is called with the bytes checked."""
+    the first file (in the manifest's order) that is missing or of another size; else the first
+    whose bytes differ (with the piece's byte range). `progress(n)` is called with the bytes checked."""
     root = Path(root)
     entries = manifest.files if files is None else files
     for entry in entries:

@@ -21,8 +21,8 @@ tensors); `finish` turns that tensor into the caller's result once every byte is
 with a message naming the file (and the piece's bytes): its file is never finished. A caller that
 allocated the file's place itself (`FileRead.dest`, cpu or cuda) can run the pass in the background
 (`ReadPass.start`, then `join`) while it does other work on the main thread (loader.start_load:
-the CUDA graphs are captured meanwhile). A pass's streams and events are made by the thread that makes the ReadPass; each
-reader pins its staging first thing, and `start` returns once all have.
+the CUDA graphs are captured meanwhile). A pass's streams and events are made by the thread that
+makes the ReadPass; each reader pins its staging first thing, and `start` returns once all have.
 """
 
 from __future__ import annotations
