@@ -199,7 +199,7 @@ class _File:
         """Where the file's bytes go (None: a file only hashed)."""
         with self.lock:
             if self.dest is None and self.read.finish is not None:
-                self.dest = lane.allocate(self.read.size)
+                self.dest = lane._destination(self.read.size)
             return self.dest
 
     def placed(self) -> bool:
@@ -296,7 +296,7 @@ class _Lane:
             return _SKIPPED
         return f.finish(dest if dest.device == self.device else dest.to(self.device))
 
-    def allocate(self, size: int) -> torch.Tensor:
+    def _destination(self, size: int) -> torch.Tensor:
         """A file's bytes: on the device, or on the host for a device that is neither cpu nor cuda."""
         on = self.device if self.device.type in ("cpu", "cuda") else torch.device("cpu")
         return torch.empty(size, dtype=torch.uint8, device=on)
