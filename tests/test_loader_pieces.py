@@ -180,6 +180,31 @@ def test_the_pieces_of_one_file_are_read_by_several_threads(pieced, monkeypatch)
     assert len(readers[f"{RANK}/big.safetensors"]) > 1
 
 
+def test_only_a_few_files_hold_a_destination_at_once(tmp_path, monkeypatch):
+    """Ranges are queued file by file: with 2 threads, at most 3 files are allocated and unfinished."""
+    files = {f"f{i}.safetensors": {f"f{i}.w": torch.randn(1500)} for i in range(8)}  # 7 pieces each
+    root = with_pieces(make_artifact(tmp_path / "a", files))
+    allocate, placed, open_, most = readpass._Lane._destination, readpass._File.placed, set(), []
+
+    def counted_allocate(lane, size):
+        dest = allocate(lane, size)
+        open_.add(dest.data_ptr())
+        most.append(len(open_))
+        return dest
+
+    def counted_placed(state):
+        last = placed(state)
+        if last:
+            open_.discard(state.dest.data_ptr())
+        return last
+
+    monkeypatch.setattr(readpass._Lane, "_destination", counted_allocate)
+    monkeypatch.setattr(readpass._File, "placed", counted_placed)
+    loaded = load_artifact(root, dtype=torch.float32, threads=2).tensors
+    assert_same(loaded, reference(root, torch.float32))
+    assert len(most) == 8 and max(most) <= 3 and not open_
+
+
 @pytest.mark.parametrize("k", [0, 5, -1])  # the first piece, one inside, the short last one
 def test_a_flipped_byte_in_piece_k_is_refused_naming_the_file_and_piece(art, k):
     path = art / RANK / "big.safetensors"
