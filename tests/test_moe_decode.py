@@ -6,6 +6,7 @@ before triton is imported); tests marked gpu run V2-Lite's real shapes and skip 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import subprocess
@@ -362,6 +363,36 @@ def test_shared_runs_apart_where_it_does_not_fit(fp8, i, s, t, monkeypatch):
     out = _run(x, w13, w2, weights, ids, s13, s2, config, shared=shared)
     assert calls == [t]
     assert torch.equal(out, _run(x, w13, w2, weights, ids, s13, s2, config, shared_out=shared.mlp(x, None)))
+
+
+@needs_triton
+@pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v2-lite", True), ("tiny-v3", True)])
+def test_model_moe_layer_at_batch_1_takes_its_shared_experts_in(preset, fp8, artifact, monkeypatch):
+    """A compiled artifact's MoE layer at batch 1 on the Triton path: its shared MLP does not run
+    (the decode launches take the shared experts), and its partial sum is the separate MLP's
+    (MLAC_MOE_SHARED_FUSED=0) up to the roundings test_shared_experts_ride_in_the_decode_launches
+    names; with FP8 both for x and for x quantized by the norm (Fp8Act)."""
+    import mlac.runtime.model as model_mod
+    from mlac.runtime.engine import Engine
+
+    engine = Engine.from_artifact(artifact(preset, fp8=fp8), verify=False, num_blocks=16)
+    moe = next(m for m in engine.runner.model.modules() if isinstance(m, model_mod.MoE))
+    assert moe.shared is not None and (moe.w13_scale is not None) == fp8
+    monkeypatch.setattr(model_mod, "fused_moe", functools.partial(moe_mod.fused_moe, use_triton=True))
+    calls = []
+    real_shared = model_mod.MoE._shared
+    monkeypatch.setattr(model_mod.MoE, "_shared", lambda self, *a: calls.append(1) or real_shared(self, *a))
+    x = _x(1, moe.gate.shape[1], seed=21)
+    inputs = [x] + ([gemm_mod.Fp8Act(*gemm_mod.quantize_act_ref(x), x.dtype, x)] if fp8 else [])
+    for x_in in inputs:
+        fused = moe.partial(x_in)
+        assert calls == []
+        monkeypatch.setattr(dec_mod, "SHARED_FUSED", False)
+        separate = moe.partial(x_in)
+        assert calls == [1]
+        _util.assert_close(fused, separate)
+        monkeypatch.setattr(dec_mod, "SHARED_FUSED", True)
+        calls.clear()
 
 
 def test_shared_chunks_counts_what_fits(monkeypatch):
