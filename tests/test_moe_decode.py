@@ -395,6 +395,52 @@ def test_model_moe_layer_at_batch_1_takes_its_shared_experts_in(preset, fp8, art
         calls.clear()
 
 
+COMPILE_SM90 = r"""
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mlac.kernels import moe_decode as dec, moe
+
+def compile_sm90(kernel, ptrs, consts, warps):
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "i32"
+           for n in inspect.signature(kernel.fn).parameters}
+    k = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "launch_pdl": True})
+    return "griddepcontrol.wait" in k.asm["ptx"]
+
+fp8 = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp8e4nv", "c_ptr": "*bf16", "ids_ptr": "*i64"}
+bf16 = {n: "*bf16" for n in ("a_ptr", "as_ptr", "b_ptr", "bs_ptr", "sb_ptr", "sbs_ptr", "c_ptr")} | {"ids_ptr": "*i64"}
+down = {"h_ptr": "*bf16", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp8e4nv", "ids_ptr": "*i64", "out_ptr": "*bf16",
+        "shared_ptr": "*bf16"}
+out = [
+    compile_sm90(dec._moe_decode_kernel, fp8, dict(GATED=True, A_MODE=1, FP8_W=True, ROUND_BF16=True, N_SHARED=2,
+                 ROWS=1, BLOCK_N=32, SUB=4, PAIRS=32, FP8_MAX_C=448.0, PDL=True), 8),
+    compile_sm90(dec._moe_decode_down_sum_kernel, down, dict(TOP_K=6, N_SHARED=2, KPAD=8, A_MODE=2, FP8_W=True,
+                 HAS_SHARED=False, BLOCK_N=16, SUB=4, FP8_MAX_C=448.0, PDL=True), 8),
+    compile_sm90(dec._moe_decode_dot_kernel, bf16, dict(GATED=False, A_MODE=0, FP8_W=False, ROUND_BF16=True,
+                 N_SHARED=2, BLOCK_N=64, BLOCK_K=128, PAIRS=32, UPCAST_DOT=False, FP8_MAX_C=448.0, PDL=True), 4),
+    compile_sm90(moe._moe_reduce_kernel, {"y_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16",
+                 "shared_ptr": "*bf16"}, dict(TOP_K=6, BLOCK_T=1, BLOCK_D=1024, N_SHARED=2, PDL=True), 4),
+]
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_kernels_with_shared_chunks_compile_for_sm90(tmp_path):
+    """The interpreter runs what the GPU compiler may refuse (pointer selects, say): the decode
+    kernels with two shared chunks, and moe.py's reduce with two shared rows, compile for sm90 (on
+    the CPU; nothing is run), each with its PDL wait."""
+    script = tmp_path / "compile_sm90.py"
+    script.write_text(COMPILE_SM90)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root, "TRITON_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[true, true, true, true]"
+
+
 def test_shared_chunks_counts_what_fits(monkeypatch):
     """n = S / I where the layout fits (V2-Lite: I = 1408 = 11 * 128, two shared experts)."""
     w13 = torch.empty(64, 2 * 1408, 2048, dtype=torch.float8_e4m3fn)
