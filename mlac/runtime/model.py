@@ -32,7 +32,7 @@ from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.head_bmm import head_bmm
 from mlac.kernels.mla_decode import mla_decode
 from mlac.kernels.mla_prep import mla_prep
-from mlac.kernels.moe import fused_moe
+from mlac.kernels.moe import SharedExperts, fused_moe
 from mlac.kernels.router_gemv import gate_and_route
 from mlac.runtime.attention_forms import extend_absorbed, extend_mha, prefer_absorbed
 from mlac.runtime.dp_attention import TokenExchange
@@ -220,14 +220,20 @@ class MoE(nn.Module):
         )
         if self.first_expert:
             ids = ids - self.first_expert  # ids of other ranks' experts fall outside [0, E_local)
-        shared = self._shared(x, x_act)  # partial
+        # the shared experts' partial is summed in: inside the routed experts' launches at decode shapes
+        shared = self._shared_experts()
         return fused_moe(
-            x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, shared_out=shared, x_act=x_act
+            x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, x_act=x_act, shared=shared
         )
 
-    def _shared(self, x: torch.Tensor, x_act: Fp8Act | None) -> torch.Tensor | None:
+    def _shared_experts(self) -> SharedExperts | None:
+        """The shared experts as fused_moe takes them: their weights (read in place) and their MLP."""
         if self.shared is None:
             return None
+        w13, w2 = self.shared.w13, self.shared.w2
+        return SharedExperts(w13.weight, w2.weight, w13.scale, w2.scale, self._shared)
+
+    def _shared(self, x: torch.Tensor, x_act: Fp8Act | None) -> torch.Tensor:  # [T, D] partial
         return self.shared(x_act if x_act is not None and self.shared.reads is Reads.FP8 else x)
 
 
