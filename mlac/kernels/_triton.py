@@ -12,7 +12,7 @@ at import) is not "0" and the current GPU is CUDA sm >= 90 (asked once, at the f
 off on CPU and under TRITON_INTERPRET=1 (the interpreter never sees a gdc op: they sit behind the
 kernels' `PDL` constexpr).
 
-Every mlac kernel follows one mechanical pattern (moe.py and moe_decode.py still to apply it):
+Every mlac kernel follows one mechanical pattern:
 
     @triton.jit
     def _my_kernel(x, y, ..., BLOCK: tl.constexpr, PDL: tl.constexpr):

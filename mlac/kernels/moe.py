@@ -22,6 +22,8 @@ from mlac.kernels.fp8_quant import (
     cast_out,
     interpreting,
     jit,
+    pdl_launch,
+    pdl_start,
     round_bf16,
     round_e4m3,
     tl,
@@ -30,10 +32,12 @@ from mlac.kernels.fp8_quant import (
 from mlac.kernels.fp8_quant import use_triton as _use_triton
 from mlac.kernels.moe_decode import (
     MoeDecodeConfig,
+    SharedExperts,
     moe_decode_down,
     moe_decode_down_sum,
     moe_decode_gate_up,
     pick_moe_decode_config,
+    shared_chunks,
 )
 
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -173,7 +177,9 @@ def _moe_align_kernel(
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BCHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     # One program. counts_ptr [E_PAD] and rank_ptr [P] are scratch.
     e_offs = tl.arange(0, E_PAD)
     tl.store(counts_ptr + e_offs, tl.zeros([E_PAD], dtype=tl.int32))
@@ -250,6 +256,7 @@ def moe_align(
         CHUNK=1024,
         BCHUNK=max(16, 8192 // e_pad),
         num_warps=8,
+        **pdl_launch(),
     )
     return sorted_pairs, block_expert, num_padded
 
@@ -292,7 +299,9 @@ def _moe_gemm_kernel(
     EVEN_K: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -429,14 +438,17 @@ def _moe_reduce_kernel(
     E,
     stride_y,
     stride_out,
+    stride_ss,
     stride_shared,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
+    N_SHARED: tl.constexpr,  # rows of shared [N_SHARED, T, D] to add
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     # out[t] = sum_j w[t, j] * y[t * TOP_K + j] over the pairs whose expert is in [0, E)
-    # (+ shared[t] with HAS_SHARED), summed in float32 and rounded once
+    # (+ sum_c shared[c, t]), summed in float32 and rounded once
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     t_ok = t < T
@@ -450,8 +462,8 @@ def _moe_reduce_kernel(
         y_mask = ok[:, None] & d_ok[None, :]
         y = tl.load(y_ptr + pair[:, None] * stride_y + offs[None, :], mask=y_mask, other=0.0)
         acc += y.to(tl.float32) * w[:, None]
-    if HAS_SHARED:
-        s_ptrs = shared_ptr + t[:, None] * stride_shared + offs[None, :]
+    for c in tl.static_range(N_SHARED):
+        s_ptrs = shared_ptr + c * stride_ss + t[:, None] * stride_shared + offs[None, :]
         acc += tl.load(s_ptrs, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     out = cast_out(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t[:, None] * stride_out + offs[None, :], out, mask=t_ok[:, None] & d_ok[None, :])
@@ -529,6 +541,7 @@ def fused_moe_triton(
     config: MoeConfig | MoeDecodeConfig | None = None,
     shared_out: torch.Tensor | None = None,
     x_act: Fp8Act | None = None,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
     """Triton fused MoE; contract as `fused_moe_ref` (x bf16/fp16; weights in x's dtype or e4m3).
 
@@ -537,29 +550,35 @@ def fused_moe_triton(
     (config.split_k) reduces its splits in its own launch. Decode shapes (a few rows per expert:
     `pick_moe_decode_config`, or a MoeDecodeConfig given) run moe_decode's GEMVs instead: GEMM1,
     GEMM2 and top-k reduce, or GEMM2 with the top-k sum in one launch (MoeDecodeConfig.fuse_sum).
+    `shared` (instead of shared_out): the shared experts, inside the decode GEMVs' launches where
+    `shared_chunks` takes them, else their own MLP (`shared.mlp`, run first) as shared_out.
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    if shared_out is not None:
-        assert shared_out.shape == x.shape and shared_out.dtype == x.dtype, tuple(shared_out.shape)
-        assert shared_out.stride(-1) == 1 and shared_out.device == x.device, "shared_out: contiguous rows"
     t, d = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
     top_k = topk_ids.shape[1]
     p = t * top_k
+    fp8 = w13_scale is not None
+    cfg = config or pick_moe_decode_config(p, e, fp8) or pick_moe_config(p, e, fp8)
+    fused = (
+        shared
+        if isinstance(cfg, MoeDecodeConfig) and p > 0 and shared_chunks(shared, w13, w13_scale)
+        else None
+    )
+    if shared is not None:
+        assert shared_out is None, "give the shared experts as shared_out or as shared, not both"
+        shared_out = None if fused is not None else shared.mlp(x, x_act)
+    if shared_out is not None:
+        assert shared_out.shape == x.shape and shared_out.dtype == x.dtype, tuple(shared_out.shape)
+        assert shared_out.stride(-1) == 1 and shared_out.device == x.device, "shared_out: contiguous rows"
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if p == 0:
         return out.zero_() if shared_out is None else out.copy_(shared_out)
-    fp8 = w13_scale is not None
     topk_ids = topk_ids.contiguous()
-    cfg = config or pick_moe_decode_config(p, e, fp8) or pick_moe_config(p, e, fp8)
     if isinstance(cfg, MoeDecodeConfig):
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        h = moe_decode_gate_up(x, w13, topk_ids, w13_scale, x_act if fp8 else None, cfg)
-        if cfg.fuse_sum:
-            return moe_decode_down_sum(h, w2, topk_weights, topk_ids, w2_scale, shared_out, out, cfg)
-        y = moe_decode_down(h, w2, topk_ids, w2_scale, cfg)
-        return _reduce_top_k(y, topk_weights, topk_ids, e, out, shared_out)
+        args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return _decode_moe(*args, cfg, shared_out, x_act if fp8 else None, fused, out)
     if fp8:
         assert cfg.block_k == cfg.block_n1 == BLOCK, f"FP8 MoE needs 128-wide K and GEMM1 tiles: {cfg}"
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids, e, cfg.block_m)
@@ -619,6 +638,7 @@ def fused_moe_triton(
         SPLIT_K=split1,
         EVEN_K=d % cfg.block_k == 0,
         **common,
+        **pdl_launch(),
     )
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)
     tiles2 = num_blocks * triton.cdiv(d, cfg.block_n2)
@@ -656,8 +676,41 @@ def fused_moe_triton(
         SPLIT_K=split2,
         EVEN_K=i % cfg.block_k == 0,
         **common,
+        **pdl_launch(),
     )
-    return _reduce_top_k(y, topk_weights, topk_ids, e, out, shared_out)
+    return _reduce_top_k(y, topk_weights, topk_ids, e, out, _as_rows(shared_out))
+
+
+def _decode_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    cfg: MoeDecodeConfig,
+    shared_out: torch.Tensor | None,
+    x_act: Fp8Act | None,
+    shared: SharedExperts | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The decode GEMVs of moe_decode into out [T, D]: GEMM1, then GEMM2 with the top-k sum or
+    GEMM2 and `_reduce_top_k`; with `shared` (fitting: `shared_chunks`) its chunks ride along in
+    each launch and are summed with weight 1.0 (shared_out is then None)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    h = moe_decode_gate_up(x, w13, topk_ids, w13_scale, x_act, cfg, shared)
+    if cfg.fuse_sum:
+        return moe_decode_down_sum(h, w2, topk_weights, topk_ids, w2_scale, shared_out, out, cfg, shared)
+    y = moe_decode_down(h, w2, topk_ids, w2_scale, cfg, shared)  # [P + n * T, D]
+    p = topk_ids.numel()
+    rows = _as_rows(shared_out) if shared is None else y[p:].unflatten(0, (-1, x.shape[0]))  # [n, T, D]
+    return _reduce_top_k(y, topk_weights, topk_ids, w13.shape[0], out, rows)
+
+
+def _as_rows(shared_out: torch.Tensor | None) -> torch.Tensor | None:
+    """The shared MLP's output [T, D] as `_reduce_top_k`'s shared rows [1, T, D]."""
+    return None if shared_out is None else shared_out.unsqueeze(0)
 
 
 def _reduce_top_k(
@@ -666,11 +719,12 @@ def _reduce_top_k(
     topk_ids: torch.Tensor,
     num_experts: int,
     out: torch.Tensor,
-    shared_out: torch.Tensor | None,
+    shared_rows: torch.Tensor | None,
 ) -> torch.Tensor:
     """out [T, D] = sum_j topk_weights[t, j] * y[t * top_k + j] over pairs whose expert is in
-    [0, num_experts) (+ shared_out), summed in float32 and rounded once; rows of y of other pairs
-    are not read. topk_ids contiguous."""
+    [0, num_experts) (+ sum_c shared_rows[c], shared_rows [n, T, D]: the shared MLP's output, or the
+    shared chunks' rows of y), summed in float32 and rounded once; rows of y of other pairs are not
+    read. topk_ids contiguous."""
     t, d = out.shape
     top_k = topk_ids.shape[1]
     block_d = min(1024, triton.next_power_of_2(d))
@@ -680,18 +734,20 @@ def _reduce_top_k(
         topk_weights.contiguous(),
         topk_ids,
         out,
-        out if shared_out is None else shared_out,  # unused without shared_out
+        out if shared_rows is None else shared_rows,  # unused without shared rows
         t,
         d,
         num_experts,
         y.stride(0),
         out.stride(0),
-        0 if shared_out is None else shared_out.stride(0),
+        0 if shared_rows is None else shared_rows.stride(0),
+        0 if shared_rows is None else shared_rows.stride(1),
         TOP_K=top_k,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
-        HAS_SHARED=shared_out is not None,
+        N_SHARED=0 if shared_rows is None else shared_rows.shape[0],
         num_warps=4,
+        **pdl_launch(),
     )
     return out
 
@@ -709,9 +765,14 @@ def fused_moe(
     config: MoeConfig | MoeDecodeConfig | None = None,
     shared_out: torch.Tensor | None = None,
     x_act: Fp8Act | None = None,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
     """Dispatching entry point (Triton on CUDA, reference on CPU); contract as fused_moe_ref
     (shared_out [T, D] in x's dtype: returns routed + shared_out with one rounding).
+
+    shared: the shared experts (their weights and their MLP) in place of shared_out: at decode
+    shapes on the Triton path they run inside the routed experts' launches (`fused_moe_triton`),
+    elsewhere `shared.mlp(x, x_act)` gives shared_out.
 
     x_act: with FP8 weights, x already quantized by its producer (must be `quantize_act_ref(x)`'s
     bits, an `rms_norm_quant` say): GEMM1 reads it instead of quantizing x again. x is still
@@ -727,14 +788,18 @@ def fused_moe(
         raise ValueError(f"no Triton MoE for x {x.dtype} with weights {w13.dtype}")
     if triton_ok and _use_triton(x, use_triton):
         return fused_moe_triton(
-            x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config, shared_out, x_act
+            x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config, shared_out, x_act, shared
         )
+    if shared is not None:
+        assert shared_out is None, "give the shared experts as shared_out or as shared, not both"
+        shared_out = shared.mlp(x, x_act)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, shared_out, x_act)
 
 
 __all__ = [
     "MoeConfig",
     "MoeDecodeConfig",
+    "SharedExperts",
     "dequantize_blocks",
     "fused_moe",
     "fused_moe_ref",

@@ -17,14 +17,24 @@ ROWS (or 16) at a time; the others return at once. A weight slice is read once p
 GEMM2 per token (`fuse_sum`, CUDA cores, about one row per expert): a program takes one token's
 top_k experts and writes the weighted sum, so the top-k reduce launch of moe.py goes away.
 
-Launches: 2 (GEMM1, GEMM2 + sum) or 3 (GEMM1, GEMM2, moe.py's reduce), against the grouped path's
-5 ([act_quant], moe_align, GEMM1, GEMM2, reduce). Switch: MLAC_MOE_DECODE_KERNEL=0 (read at
-import) sends every shape to the grouped path, for A/B runs.
+Shared experts (`SharedExperts`) ride in the same launches: this rank's shared MLP, intermediate
+S = n * I (I the routed experts' local intermediate), is the sum of n experts of intermediate I with
+routing weight 1.0 for every token, so GEMM1 and GEMM2 take n more work items (programs P .. P + n - 1,
+each over all T tokens: rows P + c * T + t of h and y) read through strided views of the shared
+weights, and the top-k sum adds them. Their outputs then meet the routed ones in float32 and are
+rounded once, where the separate MLP rounded its output to x's dtype before that sum (and each
+chunk's GEMM2 output is rounded on its own): equal up to that, and to float32 summation order.
+
+Launches per MoE layer: 2 (GEMM1, GEMM2 + sum: FP8) or 3 (GEMM1, GEMM2, moe.py's reduce: bf16), shared
+experts included, against the grouped path's 5 ([act_quant], moe_align, GEMM1, GEMM2, reduce) plus
+the shared MLP's 3. Switches, read at import, for A/B runs: MLAC_MOE_DECODE_KERNEL=0 sends every shape
+to the grouped path; MLAC_MOE_SHARED_FUSED=0 runs the shared experts as their own MLP.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +45,8 @@ from mlac.kernels.fp8_quant import (
     cast_out,
     interpreting,
     jit,
+    pdl_launch,
+    pdl_start,
     quant_groups,
     round_bf16,
     round_e4m3,
@@ -48,6 +60,8 @@ MAX_PAIRS = 256  # token-expert pairs a decode launch takes
 SMALL_PAIRS = 32
 # A/B switch, read once: MLAC_MOE_DECODE_KERNEL=0 sends decode shapes to the grouped GEMMs of moe.py.
 ENABLED = os.environ.get("MLAC_MOE_DECODE_KERNEL", "1") != "0"
+# A/B switch, read once: MLAC_MOE_SHARED_FUSED=0 runs the shared experts as their own MLP at decode too.
+SHARED_FUSED = os.environ.get("MLAC_MOE_SHARED_FUSED", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,56 @@ class MoeDecodeConfig:
     # per-expert GEMMs on tensor cores (W tile @ rows.T, 16 rows a pass, K steps of 128 with FP8
     # weights, else block_k); `rows` and (FP8) block_k then apply to the CUDA-core fused sum only
     dot: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class SharedExperts:
+    """One MoE layer's shared experts on this rank, for `fused_moe`: their weights and their MLP.
+
+    As experts of the routed experts' local intermediate I (S = n * I): chunk c is gate rows
+    [c*I, (c+1)*I) of w13 with the matching up rows [S + c*I, S + (c+1)*I), and columns
+    [c*I, (c+1)*I) of w2; the decode kernels read them so, in place. `mlp(x, x_act)` is the
+    separate path: this rank's partial [T, D] in x's dtype, the shared MLP as the model runs it
+    (taken where the chunks are not: other shapes, the reference, a layout that does not fit)."""
+
+    w13: torch.Tensor  # [2S, D]: gate rows, then up rows
+    w2: torch.Tensor  # [D, S]
+    w13_scale: torch.Tensor | None  # [2S/128, ceil(D/128)] float32 with FP8 weights
+    w2_scale: torch.Tensor | None  # [ceil(D/128), S/128]
+    mlp: Callable[[torch.Tensor, Fp8Act | None], torch.Tensor]
+
+
+def shared_chunks(shared: SharedExperts | None, w13: torch.Tensor, w13_scale: torch.Tensor | None) -> int:
+    """How many experts of the routed experts' intermediate I (w13 [E, 2I, D]) the decode kernels take
+    the shared experts as, or 0 where these run apart: none, MLAC_MOE_SHARED_FUSED=0, another weight
+    format, S not a multiple of I (expert parallel with the shared experts sliced finer than I), or
+    FP8 with I not a multiple of 128 (a chunk would split 128x128 scale blocks and the 128-channel
+    groups the intermediate is quantized in)."""
+    if shared is None or not SHARED_FUSED:
+        return 0
+    _, two_i, d = w13.shape
+    i, s = two_i // 2, shared.w2.shape[-1]
+    fp8 = w13_scale is not None
+    if shared.w13.dtype != w13.dtype or (shared.w13_scale is not None) != fp8 or (fp8 and i % BLOCK):
+        return 0
+    if s % i or tuple(shared.w13.shape) != (2 * s, d) or tuple(shared.w2.shape) != (d, s):
+        return 0
+    tensors = (shared.w13, shared.w2) + ((shared.w13_scale, shared.w2_scale) if fp8 else ())
+    return s // i if all(x.stride(-1) == 1 for x in tensors) else 0
+
+
+def _shared_view(shared: SharedExperts, gated: bool, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The shared chunks stacked like experts (views, no copy): gated, the gate rows [n, I, D] (the up
+    rows sit S rows further) and their scales [n, I/128, ceil(D/128)]; else w2 [n, D, I] and its
+    scales [n, ceil(D/128), I/128]."""
+    n = shared.w2.shape[-1] // i
+    if gated:
+        w = shared.w13.unflatten(0, (2, n, i))[0]
+        s = None if shared.w13_scale is None else shared.w13_scale.unflatten(0, (2, n, i // BLOCK))[0]
+        return w, s
+    w = shared.w2.unflatten(1, (n, i)).permute(1, 0, 2)
+    s = None if shared.w2_scale is None else shared.w2_scale.unflatten(1, (n, i // BLOCK)).permute(1, 0, 2)
+    return w, s
 
 
 ONE_TOKEN_PAIRS = 8  # the decode kernel runs one token's top-k pairs (top-k <= 8)
@@ -107,6 +171,42 @@ def _pairs_of(ids_ptr, expert, P, r0, ROWS: tl.constexpr, PAIRS: tl.constexpr):
     rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1  # [PAIRS]
     sel = mine[None, :] & (rank[None, :] == (r0 + tl.arange(0, ROWS))[:, None])  # [ROWS, PAIRS]
     return tl.sum(tl.where(sel, offs[None, :], 0), axis=1)
+
+
+@jit
+def _work_item(item, ids_ptr, P, T, N, E, b_ptr, bs_ptr, sb_ptr, sbs_ptr, stride_be, stride_bn, stride_bse,
+               stride_bsn, stride_sbe, stride_sbn, stride_sbse, stride_sbsn, N_SHARED: tl.constexpr,
+               PAIRS: tl.constexpr):  # fmt: skip
+    """What program `item` of a GEMM1/GEMM2 launch computes: items [0, P) are routed pairs (the work of
+    their expert, done by its first pair), items P + c the shared chunk c. -> (expert, rows (0 where
+    a pair is not its expert's first, T for a chunk), weight base, scale base, weight row stride,
+    scale row stride, first up row (GATED: N for an expert, S = N_SHARED * N for a chunk))."""
+    shared = item >= P
+    expert, count = _expert_of(ids_ptr, tl.minimum(item, P - 1), P, E, PAIRS)
+    count = tl.where(shared, T, count)
+    e64 = expert.to(tl.int64)
+    chunk = (item - P).to(tl.int64)
+    w = tl.where(shared, sb_ptr + chunk * stride_sbe, b_ptr + e64 * stride_be)
+    ws = tl.where(shared, sbs_ptr + chunk * stride_sbse, bs_ptr + e64 * stride_bse)
+    stride_n = tl.where(shared, stride_sbn, stride_bn).to(tl.int64)
+    stride_sn = tl.where(shared, stride_sbsn, stride_bsn).to(tl.int64)
+    up = tl.where(shared, N_SHARED * N, N)
+    return expert, count, w, ws, stride_n, stride_sn, up
+
+
+@jit
+def _rows_of(pair, r, item, P, T, A_ROW_DIV, GATED: tl.constexpr):
+    """(rows of c, rows of a) of a pass: a routed pair p writes row p and reads a[p // A_ROW_DIV];
+    rank r of shared chunk c = item - P writes row P + c * T + r and reads token r (GATED: x) or
+    its own row (GEMM2: h)."""
+    shared = item >= P
+    c_shared = P + (item - P) * T + r
+    if GATED:
+        a_shared = r
+    else:
+        a_shared = c_shared
+    c_row = tl.where(shared, c_shared, pair)
+    return c_row.to(tl.int64), tl.where(shared, a_shared, pair // A_ROW_DIV).to(tl.int64)
 
 
 @jit
@@ -168,15 +268,18 @@ def _silu_mul(gate, up, ROUND_BF16: tl.constexpr):
     return h.to(tl.float32)
 
 
-@jit(dynamic=("P",))
+@jit(dynamic=("P", "T"))
 def _moe_decode_kernel(
     a_ptr,
     as_ptr,
     b_ptr,
     bs_ptr,
+    sb_ptr,
+    sbs_ptr,
     c_ptr,
     ids_ptr,
     P,
+    T,
     N,
     K,
     E,
@@ -187,37 +290,47 @@ def _moe_decode_kernel(
     stride_bn,
     stride_bse,
     stride_bsn,
+    stride_sbe,
+    stride_sbn,
+    stride_sbse,
+    stride_sbsn,
     stride_cm,
     GATED: tl.constexpr,  # b rows [0, N) gate, [N, 2N) up: c = silu(gate) * up
     A_MODE: tl.constexpr,  # 0 a as stored; 1 a e4m3 + as [rows, ceil(K/128)]; 2 quantize a here
     FP8_W: tl.constexpr,  # b e4m3 + bs [E, ceil(rows/128), ceil(K/128)]
     ROUND_BF16: tl.constexpr,  # GATED: intermediates rounded like bf16 (else fp16)
+    N_SHARED: tl.constexpr,  # shared chunks: sb [N_SHARED, N, K] (+ up rows S = N_SHARED * N further), sbs
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUB: tl.constexpr,  # 128-column blocks per K step
     PAIRS: tl.constexpr,  # >= P: SMALL_PAIRS or MAX_PAIRS
     FP8_MAX_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # c[p, n] = expert_{ids[p]} row n . a[p // A_ROW_DIV] for every pair p of this program's expert
-    pair0 = tl.program_id(0)
-    expert, count = _expert_of(ids_ptr, pair0, P, E, PAIRS)
+    pdl_start(PDL)
+    # c[p, n] = expert_{ids[p]} row n . a[p // A_ROW_DIV] for every pair p of this program's expert;
+    # programs P + c: c[P + c * T + t, n] = shared chunk c's row n . a[t (GATED) or P + c * T + t]
+    item = tl.program_id(0)
+    expert, count, w, ws, stride_n, stride_sn, up = _work_item(
+        item, ids_ptr, P, T, N, E, b_ptr, bs_ptr, sb_ptr, sbs_ptr, stride_be, stride_bn, stride_bse, stride_bsn,
+        stride_sbe, stride_sbn, stride_sbse, stride_sbsn, N_SHARED, PAIRS,
+    )  # fmt: skip
     if count == 0:
         return
     offs_r = tl.arange(0, ROWS)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = offs_n < N
-    e64 = expert.to(tl.int64)
     # [1, BN, 1, 1] row pointers: the weight tile is loaded as [1, BN, SUB, 128], the layout its
     # product with the activations [ROWS, 1, SUB, 128] keeps (no shuffle of the large operand)
-    b_rows = (b_ptr + e64 * stride_be + offs_n.to(tl.int64) * stride_bn)[None, :, None, None]
-    u_rows = b_rows + N * stride_bn  # up rows (GATED)
-    bs_rows = (bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn)[:, None]  # [BN, 1] (FP8_W)
-    us_rows = (bs_ptr + e64 * stride_bse + ((N + offs_n) // 128) * stride_bsn)[:, None]
+    b_rows = (w + offs_n.to(tl.int64) * stride_n)[None, :, None, None]
+    u_rows = (w + (up + offs_n).to(tl.int64) * stride_n)[None, :, None, None]  # up rows (GATED)
+    bs_rows = (ws + (offs_n // 128) * stride_sn)[:, None]  # [BN, 1] (FP8_W)
+    us_rows = (ws + ((up + offs_n) // 128) * stride_sn)[:, None]
     n_ok4 = n_ok[None, :, None, None]
     for r0 in range(0, count, ROWS):
         pair = _pairs_of(ids_ptr, expert, P, r0, ROWS, PAIRS)  # [ROWS]
         row_ok = r0 + offs_r < count
-        a_row = (pair // A_ROW_DIV).to(tl.int64)
+        c_row, a_row = _rows_of(pair, r0 + offs_r, item, P, T, A_ROW_DIV, GATED)
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, SUB * 128):
@@ -235,7 +348,7 @@ def _moe_decode_kernel(
                 u = tl.load(u_rows + k[None, None, :, :], mask=b_mask, other=0.0)
                 acc_u += _slice_dot(a, u, _load_scales(us_rows + kb[None, :], s_mask, FP8_W), FP8_W)
         h = _silu_mul(acc, acc_u, ROUND_BF16) if GATED else acc
-        c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        c_ptrs = c_ptr + c_row[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, cast_out(h, c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -268,15 +381,18 @@ def _dot_part(b, a, a_s, bs_ptrs, n_ok, FP8_W: tl.constexpr, UPCAST_DOT: tl.cons
     return part
 
 
-@jit(dynamic=("P",))
+@jit(dynamic=("P", "T"))
 def _moe_decode_dot_kernel(
     a_ptr,
     as_ptr,
     b_ptr,
     bs_ptr,
+    sb_ptr,
+    sbs_ptr,
     c_ptr,
     ids_ptr,
     P,
+    T,
     N,
     K,
     E,
@@ -287,37 +403,46 @@ def _moe_decode_dot_kernel(
     stride_bn,
     stride_bse,
     stride_bsn,
+    stride_sbe,
+    stride_sbn,
+    stride_sbse,
+    stride_sbsn,
     stride_cm,
     GATED: tl.constexpr,
     A_MODE: tl.constexpr,
     FP8_W: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    N_SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # 128 with FP8 weights (one scale per step)
     PAIRS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     # _moe_decode_kernel's contract on tensor cores, "swap AB": the weight tile [BN, BK] is the
     # MMA's M side and the expert's rows (16 a pass, padded) its N side; loads that feed tl.dot are
     # pipelined by Triton (num_stages tiles in flight), which the CUDA-core loop's are not.
-    pair0 = tl.program_id(0)
-    expert, count = _expert_of(ids_ptr, pair0, P, E, PAIRS)
+    item = tl.program_id(0)
+    expert, count, w, ws, stride_n, stride_sn, up = _work_item(
+        item, ids_ptr, P, T, N, E, b_ptr, bs_ptr, sb_ptr, sbs_ptr, stride_be, stride_bn, stride_bse, stride_bsn,
+        stride_sbe, stride_sbn, stride_sbse, stride_sbsn, N_SHARED, PAIRS,
+    )  # fmt: skip
     if count == 0:
         return
     offs_r = tl.arange(0, 16)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    e64 = expert.to(tl.int64)
-    b_rows = b_ptr + e64 * stride_be + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]  # [BN, BK]
-    u_rows = b_rows + N * stride_bn  # up rows (GATED)
-    bs_rows = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn  # [BN] (FP8_W)
-    us_rows = bs_ptr + e64 * stride_bse + ((N + offs_n) // 128) * stride_bsn
+    b_rows = w + offs_n.to(tl.int64)[:, None] * stride_n + offs_k[None, :]  # [BN, BK]
+    u_rows = w + (up + offs_n).to(tl.int64)[:, None] * stride_n + offs_k[None, :]  # up rows (GATED)
+    bs_rows = ws + (offs_n // 128) * stride_sn  # [BN] (FP8_W)
+    us_rows = ws + ((up + offs_n) // 128) * stride_sn
     for r0 in range(0, count, 16):
         pair = _pairs_of(ids_ptr, expert, P, r0, 16, PAIRS)  # [16]
         row_ok = r0 + offs_r < count
-        a_row = (pair // A_ROW_DIV).to(tl.int64)
+        c_row, a_row = _rows_of(pair, r0 + offs_r, item, P, T, A_ROW_DIV, GATED)
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)  # c.T tile
         acc_u = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -334,7 +459,7 @@ def _moe_decode_dot_kernel(
                 u = tl.load(u_rows + k0, mask=b_mask, other=0.0)
                 acc_u += _dot_part(u, a, a_s, us_rows + kb, n_ok, FP8_W, UPCAST_DOT)
         h = _silu_mul(acc, acc_u, ROUND_BF16) if GATED else acc  # [BN, 16]
-        c_ptrs = c_ptr + pair.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
+        c_ptrs = c_ptr + c_row[None, :] * stride_cm + offs_n[:, None]
         tl.store(c_ptrs, cast_out(h, c_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
 
 
@@ -343,6 +468,8 @@ def _moe_decode_down_sum_kernel(
     h_ptr,
     b_ptr,
     bs_ptr,
+    sb_ptr,
+    sbs_ptr,
     ids_ptr,
     tw_ptr,
     out_ptr,
@@ -356,30 +483,45 @@ def _moe_decode_down_sum_kernel(
     stride_bn,
     stride_bse,
     stride_bsn,
+    stride_sbe,
+    stride_sbn,
+    stride_sbse,
+    stride_sbsn,
     stride_out,
     stride_shared,
     TOP_K: tl.constexpr,
-    KPAD: tl.constexpr,  # TOP_K rounded up to a power of two
+    N_SHARED: tl.constexpr,  # shared chunks: sb [N_SHARED, N, K], their h rows T * TOP_K + c * T + t
+    KPAD: tl.constexpr,  # TOP_K + N_SHARED rounded up to a power of two
     A_MODE: tl.constexpr,  # 0 h as stored; 2 quantize h here (FP8 weights)
     FP8_W: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUB: tl.constexpr,  # 128-column blocks per K step
     FP8_MAX_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # out[t, n] = sum_j tw[t, j] * round(w2_{ids[t, j]} row n . h[t * TOP_K + j]) (+ shared[t, n]),
+    pdl_start(PDL)
+    # out[t, n] = sum_j tw[t, j] * round(w2_{ids[t, j]} row n . h[t * TOP_K + j])
+    #             + sum_c round(shared chunk c's row n . h[T * TOP_K + c * T + t]) (+ shared[t, n]),
     # in float32 over the pairs whose expert is in [0, E), rounded once; one program per (t, N block)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = offs_n < N
-    offs_j = tl.arange(0, KPAD)
-    pair = t * TOP_K + offs_j  # [KPAD]
-    expert = tl.load(ids_ptr + pair, mask=offs_j < TOP_K, other=-1)
-    ok = (offs_j < TOP_K) & (expert >= 0) & (expert < E)  # [KPAD]
-    e64 = tl.where(ok, expert, 0).to(tl.int64)
-    rows = e64[:, None] * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn  # [KPAD, BN]
-    b_rows = (b_ptr + rows)[:, :, None, None]  # [KPAD, BN, 1, 1]
-    bs_rows = bs_ptr + e64[:, None, None] * stride_bse + (offs_n // 128)[None, :, None] * stride_bsn
+    offs_j = tl.arange(0, KPAD)  # slots: TOP_K routed pairs, then N_SHARED shared chunks
+    routed = offs_j < TOP_K
+    chunk = (offs_j - TOP_K).to(tl.int64)  # [KPAD] (shared slots)
+    shared = (offs_j >= TOP_K) & (offs_j < TOP_K + N_SHARED)
+    pair = tl.where(shared, T * TOP_K + chunk * T + t, t * TOP_K + offs_j)  # [KPAD] rows of h
+    expert = tl.load(ids_ptr + t * TOP_K + offs_j, mask=routed, other=-1)
+    ok = (routed & (expert >= 0) & (expert < E)) | shared  # [KPAD]
+    e64 = tl.where(ok & routed, expert, 0).to(tl.int64)
+    w = tl.where(shared, sb_ptr + chunk * stride_sbe, b_ptr + e64 * stride_be)  # [KPAD]
+    stride_n = tl.where(shared, stride_sbn, stride_bn).to(tl.int64)
+    rows = w[:, None] + offs_n.to(tl.int64)[None, :] * stride_n[:, None]  # [KPAD, BN]
+    b_rows = rows[:, :, None, None]  # [KPAD, BN, 1, 1]
+    ws = tl.where(shared, sbs_ptr + chunk * stride_sbse, bs_ptr + e64 * stride_bse)  # [KPAD]
+    stride_sn = tl.where(shared, stride_sbsn, stride_bsn).to(tl.int64)
+    bs_rows = ws[:, None, None] + (offs_n // 128)[None, :, None] * stride_sn[:, None, None]
     jn_ok = ok[:, None] & n_ok[None, :]  # [KPAD, BN]
     acc = tl.zeros((KPAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, SUB * 128):
@@ -394,36 +536,56 @@ def _moe_decode_down_sum_kernel(
         y = round_bf16(acc)
     else:
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tw = tl.load(tw_ptr + pair, mask=ok, other=0.0).to(tl.float32)  # [KPAD]
+    tw = tl.load(tw_ptr + t * TOP_K + offs_j, mask=ok & routed, other=0.0).to(tl.float32)  # [KPAD]
+    tw = tl.where(shared, 1.0, tw)
     total = tl.sum(tl.where(jn_ok, y * tw[:, None], 0.0), axis=0)  # [BN]
     if HAS_SHARED:
         total += tl.load(shared_ptr + t * stride_shared + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_out + offs_n, cast_out(total, out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _launch(a, a_s, w, w_s, c, ids, p, a_row_div, gated, a_mode, cfg: MoeDecodeConfig, block_n, round_bf16):
-    """One decode GEMV launch: c [P, N] (N = w rows, halved when gated) from a and expert weights w."""
+def _expert_args(w: torch.Tensor, w_s: torch.Tensor | None) -> tuple:
+    """(w, scales, their expert and row strides) as the kernels take them; w stands in for absent
+    scales (bf16 weights: never read)."""
+    w_s = w if w_s is None else w_s
+    return w, w_s, w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1)
+
+
+def _shared_args(shared: SharedExperts | None, gated: bool, i: int, w: torch.Tensor, w_s) -> tuple:
+    """`_expert_args` of the shared chunks stacked like experts (`_shared_view`), or of the routed
+    experts again where there are none (never read: no program takes a shared item)."""
+    return _expert_args(*(_shared_view(shared, gated, i) if shared is not None else (w, w_s)))
+
+
+def _launch(a, a_s, w, w_s, c, ids, p, a_row_div, gated, a_mode, cfg: MoeDecodeConfig, block_n, round_bf16,
+            shared: SharedExperts | None, t: int):  # fmt: skip
+    """One decode GEMV launch: c [P + n * T, N] (N = w rows, halved when gated) from a and expert
+    weights w, the n shared chunks in rows P + c * T + t."""
     e, rows, k = w.shape
     n = rows // 2 if gated else rows
+    n_shared = 0 if shared is None else shared.w2.shape[-1] // (n if gated else k)
     fp8_w = w_s is not None
-    w_s = w if w_s is None else w_s  # unused without FP8 weights
     a_s = a if a_s is None else a_s
+    b, b_s, stride_be, stride_bn, stride_bse, stride_bsn = _expert_args(w, w_s)
+    sb, sb_s, *shared_strides = _shared_args(shared, gated, n if gated else k, w, w_s)
     args = (
-        a, a_s, w, w_s, c, ids,
-        p, n, k, e, a_row_div,
-        a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1), c.stride(0),
+        a, a_s, b, b_s, sb, sb_s, c, ids,
+        p, t, n, k, e, a_row_div,
+        a.stride(0), a_s.stride(0), stride_be, stride_bn, stride_bse, stride_bsn, *shared_strides, c.stride(0),
     )  # fmt: skip
     common = dict(
-        GATED=gated, A_MODE=a_mode, FP8_W=fp8_w, ROUND_BF16=round_bf16, BLOCK_N=block_n,
+        GATED=gated, A_MODE=a_mode, FP8_W=fp8_w, ROUND_BF16=round_bf16, N_SHARED=n_shared, BLOCK_N=block_n,
         PAIRS=SMALL_PAIRS if p <= SMALL_PAIRS else MAX_PAIRS, FP8_MAX_C=FP8_MAX,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    grid = (p, triton.cdiv(n, block_n))
+    grid = (p + n_shared, triton.cdiv(n, block_n))
     if cfg.dot:
         block_k = BLOCK if fp8_w else cfg.block_k
-        _moe_decode_dot_kernel[grid](*args, BLOCK_K=block_k, UPCAST_DOT=interpreting(), **common)
+        _moe_decode_dot_kernel[grid](
+            *args, BLOCK_K=block_k, UPCAST_DOT=interpreting(), **common, **pdl_launch()
+        )
     else:
-        _moe_decode_kernel[grid](*args, ROWS=cfg.rows, SUB=cfg.block_k // BLOCK, **common)
+        _moe_decode_kernel[grid](*args, ROWS=cfg.rows, SUB=cfg.block_k // BLOCK, **common, **pdl_launch())
 
 
 def moe_decode_gate_up(
@@ -433,15 +595,20 @@ def moe_decode_gate_up(
     w13_scale: torch.Tensor | None,
     x_act: Fp8Act | None,
     cfg: MoeDecodeConfig,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
-    """GEMM1: h [T * top_k, I] in x's dtype, h[t * top_k + j] = silu(gate) * up of expert ids[t, j]
-    on x[t], with fused_moe_ref's roundings (with FP8 weights x is quantized per token per 128
-    channels, here or by its producer: x_act). Rows of pairs whose expert is outside [0, E) are not
-    written. Arguments checked by `fused_moe_triton`; topk_ids contiguous, at most MAX_PAIRS pairs."""
+    """GEMM1: h [T * top_k + n * T, I] in x's dtype, h[t * top_k + j] = silu(gate) * up of expert
+    ids[t, j] on x[t], with fused_moe_ref's roundings (with FP8 weights x is quantized per token per
+    128 channels, here or by its producer: x_act); with `shared` (n = shared_chunks(...) > 0, checked
+    by the caller), h[T * top_k + c * T + t] the same of shared chunk c on x[t]. Rows of pairs whose
+    expert is outside [0, E) are not written. Arguments checked by `fused_moe_triton`; topk_ids
+    contiguous, at most MAX_PAIRS pairs."""
     t, d = x.shape
     p = topk_ids.numel()
+    i = w13.shape[1] // 2
     _check_decode(p, topk_ids, cfg)
-    h = torch.empty(p, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    n_shared = 0 if shared is None else shared.w2.shape[-1] // i
+    h = torch.empty(p + n_shared * t, i, dtype=x.dtype, device=x.device)
     if w13_scale is not None and x_act is not None:
         a, a_s, a_mode = x_act.q, x_act.scale, 1
         assert a.shape == x.shape and a.dtype == FP8 and a.stride(-1) == 1, (a.shape, a.dtype)
@@ -449,8 +616,9 @@ def moe_decode_gate_up(
     else:
         a, a_s, a_mode = x, None, 2 if w13_scale is not None else 0
     round_bf16 = x.dtype == torch.bfloat16
+    top_k = topk_ids.shape[1]
     _launch(
-        a, a_s, w13, w13_scale, h, topk_ids, p, topk_ids.shape[1], True, a_mode, cfg, cfg.block_n1, round_bf16
+        a, a_s, w13, w13_scale, h, topk_ids, p, top_k, True, a_mode, cfg, cfg.block_n1, round_bf16, shared, t
     )
     return h
 
@@ -461,15 +629,18 @@ def moe_decode_down(
     topk_ids: torch.Tensor,
     w2_scale: torch.Tensor | None,
     cfg: MoeDecodeConfig,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
-    """GEMM2 per expert: y [T * top_k, D] in h's dtype, y[p] = expert_{ids[p]}'s w2 on h[p] (h
-    quantized per 128 channels with FP8 weights), for the top-k reduce of moe.py. Rows of pairs
+    """GEMM2 per expert: y [T * top_k + n * T, D] in h's dtype, y[p] = expert_{ids[p]}'s w2 on h[p]
+    (h quantized per 128 channels with FP8 weights), and with `shared` the rows of the n shared
+    chunks as `moe_decode_gate_up` lays them out, for the top-k reduce of moe.py. Rows of pairs
     whose expert is outside [0, E) are not written."""
     p = topk_ids.numel()
+    t = topk_ids.shape[0]
     _check_decode(p, topk_ids, cfg)
-    y = torch.empty(p, w2.shape[1], dtype=h.dtype, device=h.device)
+    y = torch.empty(h.shape[0], w2.shape[1], dtype=h.dtype, device=h.device)
     mode = 2 if w2_scale is not None else 0
-    _launch(h, None, w2, w2_scale, y, topk_ids, p, 1, False, mode, cfg, cfg.block_n2, True)
+    _launch(h, None, w2, w2_scale, y, topk_ids, p, 1, False, mode, cfg, cfg.block_n2, True, shared, t)
     return y
 
 
@@ -482,24 +653,28 @@ def moe_decode_down_sum(
     shared_out: torch.Tensor | None,
     out: torch.Tensor,
     cfg: MoeDecodeConfig,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
     """GEMM2 per token with the top-k sum: out [T, D] = sum_j topk_weights[t, j] * y[t * top_k + j]
     over the pairs whose expert is in [0, E) (y rounded to out's dtype as in fused_moe_ref), plus
-    shared_out, summed in float32 and rounded once. Deterministic. Returns out."""
+    with `shared` the n shared chunks' y (weight 1.0, h rows as `moe_decode_gate_up` lays them out),
+    plus shared_out, summed in float32 and rounded once. Deterministic. Returns out."""
     t, d = out.shape
     e, _, i = w2.shape
     top_k = topk_ids.shape[1]
+    n_shared = 0 if shared is None else shared.w2.shape[-1] // i
     fp8 = w2_scale is not None
     _check_decode(topk_ids.numel(), topk_ids, cfg)
-    w_s = w2 if w2_scale is None else w2_scale  # unused without FP8 weights
-    shared = out if shared_out is None else shared_out  # unused without shared_out
+    b, b_s, *strides = _expert_args(w2, w2_scale)
+    sb, sb_s, *shared_strides = _shared_args(shared, False, i, w2, w2_scale)
+    shared_rows = out if shared_out is None else shared_out  # unused without shared_out
     _moe_decode_down_sum_kernel[(t, triton.cdiv(d, cfg.block_n2))](
-        h, w2, w_s, topk_ids, topk_weights.contiguous(), out, shared,
+        h, b, b_s, sb, sb_s, topk_ids, topk_weights.contiguous(), out, shared_rows,
         t, d, i, e,
-        h.stride(0), w2.stride(0), w2.stride(1), w_s.stride(0), w_s.stride(1), out.stride(0), shared.stride(0),
-        TOP_K=top_k, KPAD=triton.next_power_of_2(top_k), A_MODE=2 if fp8 else 0, FP8_W=fp8,
-        HAS_SHARED=shared_out is not None, BLOCK_N=cfg.block_n2, SUB=cfg.block_k // BLOCK, FP8_MAX_C=FP8_MAX,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        h.stride(0), *strides, *shared_strides, out.stride(0), shared_rows.stride(0),
+        TOP_K=top_k, N_SHARED=n_shared, KPAD=triton.next_power_of_2(top_k + n_shared), A_MODE=2 if fp8 else 0,
+        FP8_W=fp8, HAS_SHARED=shared_out is not None, BLOCK_N=cfg.block_n2, SUB=cfg.block_k // BLOCK,
+        FP8_MAX_C=FP8_MAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
     )  # fmt: skip
     return out
 
@@ -513,8 +688,10 @@ def _check_decode(p: int, topk_ids: torch.Tensor, cfg: MoeDecodeConfig) -> None:
 __all__ = [
     "MAX_PAIRS",
     "MoeDecodeConfig",
+    "SharedExperts",
     "moe_decode_down",
     "moe_decode_down_sum",
     "moe_decode_gate_up",
     "pick_moe_decode_config",
+    "shared_chunks",
 ]

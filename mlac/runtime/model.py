@@ -24,15 +24,14 @@ sums back. A rank with no tokens in a step (`batch` None) skips attention and jo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mlac.config import ModelConfig
 from mlac.kernels.activation import silu_mul, silu_mul_quant
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.mla_prep import mla_prep
-from mlac.kernels.moe import fused_moe
-from mlac.kernels.moe_routing import route
+from mlac.kernels.moe import SharedExperts, fused_moe
+from mlac.kernels.router_gemv import gate_and_route
 from mlac.runtime.attention_forms import decode_absorbed, extend_absorbed, extend_mha, prefer_absorbed
 from mlac.runtime.dp_attention import TokenExchange
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
@@ -206,12 +205,11 @@ class MoE(nn.Module):
         """x [T, D], or its Fp8Act carrying x (Reads.FP8_AND_X)."""
         x, x_act = (x.x, x) if isinstance(x, Fp8Act) else (x, None)
         c = self.config
-        # Router logits [T, E] in float32 (the gate is float32: loader.ROUTER), one GEMM for all tokens.
-        # NOTE: a kernel that computed them and routed in one launch, one program per token, re-read
-        # the gate per token: 48 us per layer at batch 1 on an H200 (benchmarks/results/decode_h200.md).
-        logits = F.linear(x.float(), self.gate)
-        weights, ids = route(  # [T, top_k] each
-            logits,
+        # Router logits [T, E] in float32 (the gate is float32: loader.ROUTER), then routing: one
+        # launch at decode (router_gemv; MLAC_ROUTER_KERNEL=0: F.linear, then route).
+        weights, ids = gate_and_route(  # [T, top_k] each
+            x,
+            self.gate,
             top_k=c.num_experts_per_tok,
             method=c.topk_method,
             scoring=c.scoring_func,
@@ -223,14 +221,20 @@ class MoE(nn.Module):
         )
         if self.first_expert:
             ids = ids - self.first_expert  # ids of other ranks' experts fall outside [0, E_local)
-        shared = self._shared(x, x_act)  # partial
+        # the shared experts' partial is summed in: inside the routed experts' launches at decode shapes
+        shared = self._shared_experts()
         return fused_moe(
-            x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, shared_out=shared, x_act=x_act
+            x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, x_act=x_act, shared=shared
         )
 
-    def _shared(self, x: torch.Tensor, x_act: Fp8Act | None) -> torch.Tensor | None:
+    def _shared_experts(self) -> SharedExperts | None:
+        """The shared experts as fused_moe takes them: their weights (read in place) and their MLP."""
         if self.shared is None:
             return None
+        w13, w2 = self.shared.w13, self.shared.w2
+        return SharedExperts(w13.weight, w2.weight, w13.scale, w2.scale, self._shared)
+
+    def _shared(self, x: torch.Tensor, x_act: Fp8Act | None) -> torch.Tensor:  # [T, D] partial
         return self.shared(x_act if x_act is not None and self.shared.reads is Reads.FP8 else x)
 
 
