@@ -8,7 +8,11 @@ On CPU (gloo), one tp-2 artifact; each spawned rank is a fresh interpreter (seco
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,10 +34,11 @@ CACHE = {"num_blocks": 32, "block_size": 16}
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
 
-def spawned() -> set[int]:
-    """Live processes that multiprocessing spawned under this one (not its resource tracker)."""
+def spawned(root: psutil.Process | None = None) -> set[int]:
+    """Live processes that multiprocessing spawned under `root` (default: this process), not its
+    resource tracker."""
     live = set()
-    for p in psutil.Process().children(recursive=True):
+    for p in (root or psutil.Process()).children(recursive=True):
         try:
             if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
                 live.add(p.pid)
@@ -157,7 +162,7 @@ def test_early_ranks_that_get_no_work_exit(tp2):
     assert early.exitcode == 0
 
 
-# ---- under `mlac serve`'s engine process -------------------------------------------------------
+# ---- under `mlac serve` -------------------------------------------------------------------------
 
 
 def test_the_engine_process_spawns_rank_1_before_it_is_configured(tp2):
@@ -166,9 +171,7 @@ def test_the_engine_process_spawns_rank_1_before_it_is_configured(tp2):
     process = EngineProcess.start(tp2)
     try:
         deadline = time.monotonic() + 30
-        while not [
-            p for p in psutil.Process(process.process.pid).children() if "spawn_main" in " ".join(p.cmdline())
-        ]:
+        while not spawned(psutil.Process(process.process.pid)):
             assert time.monotonic() < deadline, "the engine process spawned no rank"
             time.sleep(0.02)
     finally:
@@ -180,6 +183,35 @@ def test_a_load_that_fails_before_it_needs_the_early_ranks_stops_them(tp2):
                           max_model_len=100_000_000)  # fmt: skip
     with pytest.raises(MlacError, match="loading failed: --max-model-len 100000000"):
         ServerThread(config).start(timeout=120)
+
+
+def test_mlac_serve_on_a_second_node_spawns_its_ranks_early_and_exits_with_node_0(tmp_path, checkpoint):
+    """tp=4 over 2 "nodes" on this machine: node 1 is `mlac serve --nnodes 2 --node-rank 1` (no
+    HTTP: its process spawns rank 3 before it imports torch, runs rank 2, and exits 0 once node 0,
+    here in this process, closes)."""
+    tp4 = tmp_path / "tp4"
+    compile_checkpoint(checkpoint("tiny-v2-lite"), tp4, CompileOptions(tp=4, accuracy_check=False))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "mlac.cli", "serve", str(tp4), "--nnodes", "2", "--node-rank", "1",
+           "--master-port", str(port), "--dtype", "float32", "--num-blocks", "32", "--no-verify"]  # fmt: skip
+    node1 = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60  # rank 3 comes before node 0 listens (a late spawn waits for it)
+        while not spawned(psutil.Process(node1.pid)):
+            assert node1.poll() is None and time.monotonic() < deadline, "node 1 spawned no rank"
+            time.sleep(0.02)
+        launch = LaunchSpec(nnodes=2, node_rank=0, master_port=port)
+        with Engine.from_artifact(tp4, dtype=torch.float32, launch=launch, verify=False, **CACHE) as engine:
+            assert sorted(engine.runner.group.procs) == [1]
+            engine.score([1, 2, 3])
+        out, _ = node1.communicate(timeout=60)
+        assert node1.returncode == 0, out
+    finally:
+        node1.kill()
+        node1.wait()
 
 
 def test_the_engine_closes_the_early_ranks_its_load_did_not_take(tp2):
