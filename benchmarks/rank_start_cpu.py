@@ -1,8 +1,8 @@
 """When a tp-2 artifact's rank 1 starts, against rank 0's import, under `mlac serve` on CPU.
 
-    python benchmarks/rank_start_cpu.py [--artifact DIR] [--runs 3] [--repo /work/main] [--json out.json]
+    python benchmarks/rank_start_cpu.py [--artifact DIR] [--runs 3] [--repo CHECKOUT ...] [--json out.json]
 
-Starts `mlac serve` (the code of --repo, default this checkout) on a tp-2 artifact (default: the
+Starts `mlac serve` (the code of each --repo, default this checkout) on a tp-2 artifact (default: the
 tiny-v2-lite synthetic, compiled into a temporary folder), waits for /health 200, reads the
 server's start-up phases there (import_s: the process's start to the engine's start of its load;
 ranks_met_s: rank 0's wait for the other ranks to reach the store, where the code records it),
@@ -106,24 +106,33 @@ def one_run(artifact: Path, repo: Path, timeout_s: float) -> dict:
     }
 
 
+def medians(runs: list[dict]) -> dict:
+    keys = [k for k in runs[0] if all(r[k] is not None for r in runs)]
+    return {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact", type=Path, help="a tp-2 artifact (default: tiny-v2-lite, compiled now)")
-    ap.add_argument("--repo", type=Path, default=REPO, help="the checkout whose `mlac serve` runs")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--repo", type=Path, action="append", help="a checkout whose `mlac serve` runs "
+                    "(repeat to compare: their runs alternate; default: this one)")  # fmt: skip
+    ap.add_argument("--runs", type=int, default=3, help="per checkout")
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--json", type=Path, help="write the runs and their medians here")
     args = ap.parse_args()
+    repos = [str(r) for r in args.repo or [REPO]]
+    runs: dict[str, list[dict]] = {r: [] for r in repos}
     with tempfile.TemporaryDirectory() as work:
         artifact = args.artifact or tp2_artifact(Path(work))
-        runs = [one_run(artifact, args.repo, args.timeout_s) for _ in range(args.runs)]
-    for r in runs:
-        print(json.dumps(r))
-    keys = [k for k in runs[0] if all(r[k] is not None for r in runs)]
-    median = {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
-    print("median", json.dumps(median))
+        for _ in range(args.runs):
+            for repo in repos:  # alternate: a busy machine slows both alike
+                runs[repo].append(one_run(artifact, Path(repo), args.timeout_s))
+                print(repo, json.dumps(runs[repo][-1]), flush=True)
+    median = {repo: medians(r) for repo, r in runs.items()}
+    for repo, m in median.items():
+        print("median", repo, json.dumps(m))
     if args.json:
-        record = {"repo": str(args.repo), "cpus": os.cpu_count(), "runs": runs, "median": median}
+        record = {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "runs": runs, "median": median}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
