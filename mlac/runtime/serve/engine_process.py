@@ -1,16 +1,16 @@
 """The serving engine's own process, started before the server imports its HTTP stack.
 
-    process = EngineProcess.start(artifact, launch)  # spawns the child: it spawns the artifact's other
-                                         # ranks (if any), then imports torch and mlac meanwhile
+    process = EngineProcess.start(path, launch)  # spawns the child: it spawns the artifact's
+                                         # other ranks, then imports torch and mlac meanwhile
     ...                                  # the server imports FastAPI, checks the artifact and port
     process.configure(config, "info")    # the child loads the engine (serve/engine_child.py)
     ...                                  # messages over process.conn (serve/engine_client.py)
     process.close()
 
 This module imports nothing heavy, so that the child starts (and imports torch) while the parent
-is still importing; the child reads the artifact's manifest first and, for a multi-rank
-artifact, spawns this node's other ranks before it imports torch (world.start_node_ranks), so
-that every rank imports torch at once. The child ignores SIGINT and SIGTERM: the server process drains and then
+is still importing. The child reads the artifact's manifest first and, for a multi-rank artifact,
+spawns this node's other ranks before it imports torch (world.start_node_ranks): every rank
+imports torch at once. The child ignores SIGINT and SIGTERM: the server process drains and then
 tells it to stop; it also stops when the server process goes away (its end of the pipe closes).
 """
 
@@ -22,7 +22,10 @@ import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlac.runtime.world import LaunchSpec
 
 log = logging.getLogger("mlac.server")
 
@@ -37,7 +40,7 @@ class EngineProcess:
         self.configured = False
 
     @classmethod
-    def start(cls, artifact: str | Path | None = None, launch: Any = None) -> EngineProcess:
+    def start(cls, artifact: str | Path | None = None, launch: LaunchSpec | None = None) -> EngineProcess:
         """Spawn the child (not daemonic: it spawns the ranks of a multi-rank artifact). With the
         `artifact` (and the `launch`, a LaunchSpec, that its config will carry) the child spawns
         the artifact's other ranks on this node before it imports torch."""
@@ -67,7 +70,7 @@ class EngineProcess:
             self.process.join()
 
 
-def _child_main(conn: Connection, artifact: str | Path | None, launch: Any) -> None:
+def _child_main(conn: Connection, artifact: str | Path | None, launch: LaunchSpec | None) -> None:
     """The child: spawn the artifact's other ranks (if any), import the engine's modules now, then
     wait for the config and serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
