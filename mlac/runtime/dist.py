@@ -8,8 +8,8 @@ One process per rank. Three ways to start them, one code path (runner.make_runne
     torchrun         every process is started by torchrun (env RANK, WORLD_SIZE, LOCAL_RANK,
                      MASTER_ADDR, MASTER_PORT) and spawns nothing
 
-(world.py says who runs where, without torch.) A node's first process has node_ranks.py spawn
-its other ranks: when it joins (RankGroup.join), or earlier, before it imports torch itself
+Who runs where is decided in world.py (no torch). A node's first process has node_ranks.py
+spawn its other ranks: when it joins (RankGroup.join), or earlier, before it imports torch itself
 (world.start_node_ranks, passed as LaunchSpec.ranks: `mlac serve`'s engine process), so that
 the ranks import torch while it does, not after it.
 
