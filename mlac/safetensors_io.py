@@ -3,7 +3,7 @@
 The reader parses the header itself and reads one tensor at a time with plain file reads (no
 mmap), so the compiler's memory holds only the tensors it is working on and a truncated or
 corrupt file is reported before any data is used. The writer computes the header up front and
-streams each tensor's bytes in chunks, hashing them as they go.
+streams each tensor's bytes in chunks, hashing them as they go (whole and per piece: hashing.py).
 
 Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
 then the raw little-endian data. Offsets are relative to the end of the header.
@@ -17,7 +17,7 @@ import math
 import queue
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -25,6 +25,7 @@ from typing import BinaryIO
 import torch
 
 from mlac.errors import MlacError
+from mlac.hashing import PIECE_SIZE, FileHashes, PieceHash
 from mlac.jsonio import load_json
 
 DTYPES: dict[str, torch.dtype] = {
@@ -232,14 +233,12 @@ def _nbytes(spec: WriteSpec) -> int:
     return math.prod(spec.shape) * spec.dtype.itemsize
 
 
-class _Out:
-    """A file written and hashed on a background thread, so that both overlap the producer's
-    work (hashlib and file writes release the GIL). At most QUEUE_CHUNKS chunks are in flight."""
+class _Sink:
+    """A thread that calls `take` on each chunk put in its queue, in order (at most QUEUE_CHUNKS
+    wait); after its first error it drops the rest and keeps the error for its owner."""
 
-    def __init__(self, path: Path):
-        self.f = open(path, "wb")
-        self.h = hashlib.sha256()
-        self.size = 0
+    def __init__(self, take: Callable[[memoryview], object]):
+        self.take = take
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_CHUNKS)
         self.thread = threading.Thread(target=self._drain, daemon=True)
@@ -249,28 +248,63 @@ class _Out:
         while (data := self.queue.get()) is not None:
             if self.error is None:
                 try:
-                    self.f.write(data)
-                    self.h.update(data)
-                except BaseException as e:  # noqa: BLE001 - re-raised by close()
+                    self.take(data)
+                except BaseException as e:  # noqa: BLE001 - re-raised by _Out
                     self.error = e
-
-    def write(self, data: memoryview) -> int:
-        if self.error is not None:
-            raise self.error
-        self.queue.put(data)  # the memoryview keeps its tensor alive until written
-        self.size += len(data)
-        return len(data)
 
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join()
-        self.f.close()
-        if self.error is not None:
-            raise MlacError(f"{self.f.name}: write failed ({self.error})")
 
 
-def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) -> list[tuple[int, str]]:
-    """Write several files with the same tensor names (one per rank), tensor by tensor.
+class _Out:
+    """A file written and hashed on background threads, so that they overlap the producer's work
+    (hashlib and file writes release the GIL): one writes the bytes and hashes them whole, one
+    hashes them per piece of `piece` bytes (hashing.py). Each chunk is read from memory, not disk."""
+
+    def __init__(self, path: Path, piece: int):
+        self.f = open(path, "wb")
+        self.whole, self.parts = hashlib.sha256(), PieceHash(piece)
+        self.size = 0
+        self.sinks = [_Sink(self._write), _Sink(self.parts.update)]
+
+    def _write(self, data: memoryview) -> None:
+        self.f.write(data)
+        self.whole.update(data)
+
+    def _error(self) -> BaseException | None:
+        return next((s.error for s in self.sinks if s.error is not None), None)
+
+    def write(self, data: memoryview) -> int:
+        if (error := self._error()) is not None:
+            raise error
+        for sink in self.sinks:
+            sink.queue.put(data)  # the memoryview keeps its tensor alive until both sinks took it
+        self.size += len(data)
+        return len(data)
+
+    def close(self) -> MlacError | None:
+        """End the threads and close the file; the first error of any, as a one-line MlacError."""
+        for sink in self.sinks:
+            sink.close()
+        error = self._error()
+        try:
+            self.f.close()  # NOTE: flushes the last buffered bytes, so it may fail too (disk full)
+        except OSError as e:
+            error = error or e
+        return None if error is None else MlacError(f"{self.f.name}: write failed ({error})")
+
+    def hashes(self) -> FileHashes:
+        """The written file's hashes (after close)."""
+        assert self.parts.size == self.size, (self.f.name, self.parts.size, self.size)
+        return FileHashes(self.size, self.whole.hexdigest(), self.parts.piece, self.parts.pieces())
+
+
+def write_safetensors_lockstep(
+    paths: list[Path], specs: list[list[WriteSpec]], piece: int = PIECE_SIZE
+) -> list[FileHashes]:
+    """Write several files with the same tensor names (one per rank), tensor by tensor; return
+    each file's hashes (its size, sha256, and sha256 per `piece` bytes), computed as it was written.
 
     The ranks' chunks of one tensor are written in turn, so that slices of one source tensor
     are produced while it is still in the reader's cache: each source tensor is read once.
@@ -279,16 +313,19 @@ def write_safetensors_lockstep(paths: list[Path], specs: list[list[WriteSpec]]) 
     position = {name: i for i, name in enumerate(names)}
     specs = [sorted(s, key=lambda x: position[x.name]) for s in specs]
     assert all([x.name for x in s] == names for s in specs), "ranks must hold the same tensor names"
-    outs = [_Out(p) for p in paths]
+    outs = [_Out(p, piece) for p in paths]
     try:
         for out, s in zip(outs, specs, strict=True):
             out.write(memoryview(encode_header([(x.name, x.dtype, x.shape) for x in s])[0]))
         for i in range(len(names)):
             _write_tensor_lockstep(outs, [s[i] for s in specs])
     finally:
-        for out in outs:
-            out.close()
-    return [(out.size, out.h.hexdigest()) for out in outs]
+        failed = [
+            e for out in outs if (e := out.close()) is not None
+        ]  # every file closed, every thread ended
+    if failed:
+        raise failed[0]
+    return [out.hashes() for out in outs]
 
 
 def _write_tensor_lockstep(outs: list[_Out], specs: list[WriteSpec]) -> None:

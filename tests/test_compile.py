@@ -68,7 +68,7 @@ def test_verify_and_inspect(artifact, tmp_path):
     for needle in ("deepseek_v2", "group_limited_greedy", "passes", "rank-00000-of-00001", "accuracy"):
         assert needle in r.output
     r = invoke("inspect", root, "--json")
-    assert json.loads(r.output)["schema_version"] == 1
+    assert json.loads(r.output)["schema_version"] == 2
 
 
 def test_verify_names_the_tampered_file(artifact, tmp_path):

@@ -24,11 +24,12 @@ from mlac.artifact import (
     Manifest,
     TensorEntry,
     artifact_identity,
+    file_entry,
     identity_record,
     rank_dir,
-    sha256_file,
 )
 from mlac.errors import MlacError
+from mlac.hashing import PIECE_SIZE
 from mlac.lazy import LazyTensor
 from mlac.safetensors_io import WriteSpec, dtype_name, iter_rows, write_safetensors_lockstep
 
@@ -43,10 +44,12 @@ class ArtifactWriter:
         source: str | Path,
         force: bool = False,
         log: Log = lambda msg: None,
+        piece: int = PIECE_SIZE,
     ):
         """Refuse a bad `out` (overlapping `source`, existing without `force`, not a directory) before
         touching anything; then remove stale temporary folders of dead compiles to `out` (naming them
-        in `log`) and start a fresh one."""
+        in `log`) and start a fresh one. Every file longer than `piece` bytes is listed with the
+        sha256 of each piece (FileEntry.pieces), hashed as it is written."""
         self.out = Path(out).absolute()
         check_not_source(Path(out), Path(source))
         if self.out.exists() and not force:
@@ -58,7 +61,7 @@ class ArtifactWriter:
             log(f"removed {stale}: the temporary folder of a compile that no longer runs")
         self.tmp = tmp_dir(self.out, os.getpid())
         self.tmp.mkdir()
-        self.world_size = world_size
+        self.world_size, self.piece = world_size, piece
         self.files: list[FileEntry] = []
         self.tensors: list[dict[str, TensorEntry]] = [{} for _ in range(world_size)]
 
@@ -83,9 +86,9 @@ class ArtifactWriter:
         specs = [
             [WriteSpec(n, t.dtype, t.shape, _stream(t)) for n, t in tensors.items()] for tensors in ranks
         ]
-        results = write_safetensors_lockstep([self.tmp / rel for rel in rels], specs)
-        for r, (rel, (size, sha)) in enumerate(zip(rels, results, strict=True)):
-            self.files.append(FileEntry(path=rel, size=size, sha256=sha))
+        hashes = write_safetensors_lockstep([self.tmp / rel for rel in rels], specs, self.piece)
+        for r, (rel, h) in enumerate(zip(rels, hashes, strict=True)):
+            self.files.append(FileEntry.of(rel, h))
             for n, t in ranks[r].items():
                 self.tensors[r][n] = TensorEntry(file=rel, dtype=dtype_name(t.dtype), shape=list(t.shape))
 
@@ -93,7 +96,7 @@ class ArtifactWriter:
         dst = self.tmp / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
-        self.files.append(FileEntry(path=rel, size=dst.stat().st_size, sha256=sha256_file(dst)))
+        self.files.append(file_entry(self.tmp, rel, self.piece))
 
     def commit(self, manifest: Manifest) -> Path:
         """Write the manifest, then its identity (last: it marks the artifact complete), then rename

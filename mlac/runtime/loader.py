@@ -3,8 +3,9 @@ hash and place them in one pass.
 
 A rank reads only its own files (its `rank-XXXXX-of-YYYYY/` folder; rank 0 also the shared files
 such as the tokenizer): the ranks of a multi-rank artifact load in parallel, each hashing and
-reading its own slice. Each file is read once, by one of several threads, and hashed as it is
-copied to the device (readpass.py); its tensors are views of one allocation per file. The only
+reading its own slice. Each file is read once, by several threads when the manifest cuts it into
+hashed pieces (else by one), and hashed as it is copied to the device (readpass.py); its tensors
+are views of one allocation per file. The only
 conversion at load time: non-FP8 floating tensors are cast to the compute dtype. FP8 weights stay
 FP8; their block scales and the router's correction bias stay float32.
 
@@ -96,10 +97,7 @@ def load_artifact(
     """
     start = time.perf_counter()
     plan = _plan_rank(path, rank, device, verify, threads)
-    reads = [
-        FileRead(plan.root / f.path, f.path, f.size, f.sha256, _finish(plan.headers.get(f.path), dtype))
-        for f in plan.files
-    ]
+    reads = [_read(plan, f, _finish(plan.headers.get(f.path), dtype)) for f in plan.files]
     done = read_files(reads, plan.device, verify, plan.threads, chunk_bytes)
     tensors = {name: t for rel in sorted(done.results) for name, t in done.results[rel].items()}
     stats = LoadStats(done.bytes_read, time.perf_counter() - start, plan.threads, verify)
@@ -166,12 +164,12 @@ class PendingLoad:
         without tensors: hashed only)."""
         header = plan.headers.get(f.path)
         if header is None:
-            return FileRead(plan.root / f.path, f.path, f.size, f.sha256, None)
+            return _read(plan, f, None)
         dest = torch.zeros(f.size, dtype=torch.uint8, device=plan.device)
         views, derived = place_tensors(header, dest, dtype)
         self.tensors.update(views)
         self._derived += derived
-        return FileRead(plan.root / f.path, f.path, f.size, f.sha256, _placed, dest)
+        return _read(plan, f, _placed, dest)
 
     def join(self) -> LoadedRank:
         """Wait for the pass; raise its error (MlacError: a file short or modified; then nothing
@@ -209,6 +207,11 @@ def start_load(
     if plan.device.type not in ("cpu", "cuda"):
         raise MlacError(f"a background load runs on cpu or cuda, not {plan.device}: use load_artifact")
     return PendingLoad(plan, rank, dtype, verify, chunk_bytes, start)
+
+
+def _read(plan: _RankPlan, f: FileEntry, finish, dest: torch.Tensor | None = None) -> FileRead:
+    """The pass's read of manifest file `f` (checked by its pieces when it has them)."""
+    return FileRead(plan.root / f.path, f.path, f.size, f.sha256, finish, dest, f.pieces)
 
 
 def _placed(data: torch.Tensor) -> int:

@@ -1,8 +1,14 @@
 """One pass over the bytes: read files with several threads, hash what is read, copy it to the device.
 
-Each file is read by one thread, in order, in chunks of `chunk` bytes (sha256 is sequential per
-file); files run in parallel, largest first. hashlib and file reads release the GIL, so the threads
-hash and read at the same time. Where the bytes land:
+The work is a list of byte ranges, each hashed on its own (sha256 is sequential per range): a file
+with piece hashes in the manifest (FileEntry.pieces) gives one range per piece, any other file one
+range for the whole file. The ranges are queued file by file, largest file first, each file's in
+order; any thread takes the next one and reads it in chunks of `chunk` bytes, hashing them and
+copying them to the range's offset of the file's destination. A file is finished by the thread that
+completes its last range, once every range is in place and matched its sha256. So one big file
+loads with every thread, not one, and only the few files being read hold a destination the pass
+allocated. hashlib and file reads release the GIL, so the threads hash and read at the same time.
+Where the bytes land:
 
 - cpu: straight into the file's destination tensor (no staging);
 - cuda: into pinned staging buffers (two per thread), copied with `non_blocking=True` on the
@@ -11,11 +17,12 @@ hash and read at the same time. Where the bytes land:
 
 A file's bytes become one uint8 tensor on the device (or are only hashed, for files that hold no
 tensors); `finish` turns that tensor into the caller's result once every byte is in place and, with
-`verify`, the file's sha256 matched the manifest. A caller that allocated the file's place itself
-(`FileRead.dest`, cpu or cuda) can run the pass in the background (`ReadPass.start`, then `join`)
-while it does other work on the main thread (loader.start_load: the CUDA graphs are captured
-meanwhile). A pass's streams and events are made by the thread that makes the ReadPass; each
-reader pins its staging first thing, and `start` returns once all have.
+`verify`, every range's sha256 matched the manifest. A range that does not match fails the pass
+with a message naming the file (and the piece's bytes): its file is never finished. A caller that
+allocated the file's place itself (`FileRead.dest`, cpu or cuda) can run the pass in the background
+(`ReadPass.start`, then `join`) while it does other work on the main thread (loader.start_load:
+the CUDA graphs are captured meanwhile). A pass's streams and events are made by the thread that
+makes the ReadPass; each reader pins its staging first thing, and `start` returns once all have.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 
 import torch
 
+from mlac.artifact import FileEntry, Pieces, hash_mismatch
 from mlac.errors import MlacError
 
 CHUNK = 64 << 20  # bytes per read; one read returns at most ~2 GiB on Linux, so reads loop anyway
@@ -54,7 +62,8 @@ class FileRead:
     """One file of the pass. `finish` gets the file's bytes on the device (a uint8 tensor of `size`)
     and returns the caller's result; None: the file is only hashed (it is not read without verify).
     `dest`: where the bytes go (uint8 [size] on the pass's device, cpu or cuda), allocated by the
-    caller with no work pending on it in any stream; None: the pass allocates it."""
+    caller with no work pending on it in any stream; None: the pass allocates it. `pieces`: the
+    manifest's piece hashes (then the pieces are checked, and `sha256` is not)."""
 
     path: Path
     rel: str  # the manifest's path, for messages
@@ -62,6 +71,11 @@ class FileRead:
     sha256: str
     finish: Callable[[torch.Tensor], Any] | None
     dest: torch.Tensor | None = None
+    pieces: Pieces | None = None
+
+    @property
+    def entry(self) -> FileEntry:
+        return FileEntry(path=self.rel, size=self.size, sha256=self.sha256, pieces=self.pieces)
 
 
 @dataclass(frozen=True)
@@ -78,8 +92,8 @@ def read_files(
     chunk: int | None = None,
 ) -> PassResult:
     """Read, hash (with `verify`) and place every file; raise MlacError naming the first file that
-    is short or whose sha256 does not match. Sizes were checked before: a file that shrinks while it
-    is read is reported as truncated."""
+    is short or whose sha256 (or a piece's) does not match. Sizes were checked before: a file that
+    shrinks while it is read is reported as truncated."""
     return ReadPass(files, device, verify, threads, chunk).run()
 
 
@@ -101,11 +115,13 @@ class ReadPass:
             device = torch.device("cuda", torch.cuda.current_device())
         self.verify = verify
         self.stop = threading.Event()
-        self.work: queue.SimpleQueue[FileRead] = queue.SimpleQueue()
-        for f in sorted(self.todo, key=lambda f: -f.size):  # largest first: the threads finish together
-            self.work.put(f)
-        chunk = max(1, min(chunk or CHUNK, max((f.size for f in self.todo), default=1)))
-        n = max(1, min(threads or default_threads(), len(self.todo)))
+        self.work: queue.SimpleQueue[_Range] = queue.SimpleQueue()
+        # largest file first (the threads finish together), each file's ranges in order (few files open)
+        ranges = [r for f in sorted(self.todo, key=lambda f: -f.size) for r in _ranges(f)]
+        for r in ranges:
+            self.work.put(r)
+        chunk = max(1, min(chunk or CHUNK, max((r.size for r in ranges), default=1)))
+        n = max(1, min(threads or default_threads(), len(ranges)))
         self.lanes = [_Lane(device, chunk) for _ in range(n)] if self.todo else []
         self.finished_at: float | None = None  # perf_counter() when the last reader thread ended
         self._outcomes: list[Any] = []
@@ -170,6 +186,50 @@ def read_exact(fd: int, view: memoryview, offset: int, rel: str) -> None:
         got += n
 
 
+class _File:
+    """A file being read by any lanes, range by range: its destination, allocated once by the first
+    lane that needs it, and how many of its ranges are still to be placed and checked."""
+
+    def __init__(self, read: FileRead, ranges: int):
+        self.read, self.left = read, ranges
+        self.dest = read.dest
+        self.lock = threading.Lock()
+
+    def destination(self, lane: _Lane) -> torch.Tensor | None:
+        """Where the file's bytes go (None: a file only hashed)."""
+        with self.lock:
+            if self.dest is None and self.read.finish is not None:
+                self.dest = lane._destination(self.read.size)
+            return self.dest
+
+    def placed(self) -> bool:
+        """Count one range in place (and checked); True for the file's last."""
+        with self.lock:
+            self.left -= 1
+            return self.left == 0
+
+
+@dataclass(frozen=True)
+class _Range:
+    """Bytes [begin, end) of a file, hashed on their own against `sha256`."""
+
+    file: _File
+    begin: int
+    end: int
+    sha256: str
+
+    @property
+    def size(self) -> int:
+        return self.end - self.begin
+
+
+def _ranges(f: FileRead) -> list[_Range]:
+    """The file's ranges: one per piece when the manifest has piece hashes, else the whole file."""
+    checks = f.entry.checks()
+    state = _File(f, len(checks))
+    return [_Range(state, begin, end, sha) for begin, end, sha in checks]
+
+
 class _Lane:
     """One reader thread's resources: on CUDA its stream and pinned staging buffers."""
 
@@ -183,7 +243,8 @@ class _Lane:
         self.staged = threading.Event()  # set once the lane's staging exists (or it failed first)
 
     def drain(self, work: queue.SimpleQueue, verify: bool, stop: threading.Event) -> dict[str, Any]:
-        """Read files from `work` until it is empty (or another thread failed)."""
+        """Read ranges from `work` until it is empty (or another thread failed); return the results
+        of the files whose last range this lane placed."""
         out: dict[str, Any] = {}
         try:
             with torch.cuda.device(self.device) if self.cuda else nullcontext():
@@ -194,17 +255,22 @@ class _Lane:
                     self.staged.set()
                 while not stop.is_set():
                     try:
-                        f = work.get_nowait()
+                        r = work.get_nowait()
                     except queue.Empty:
                         break
-                    out[f.rel] = self._file(f, verify, stop)
+                    result = self._range(r, verify, stop)
+                    if result is not _SKIPPED:
+                        out[r.file.read.rel] = result
         except BaseException:
             stop.set()
             raise
-        return {rel: r for rel, r in out.items() if r is not _SKIPPED}
+        return out
 
-    def _file(self, f: FileRead, verify: bool, stop: threading.Event) -> Any:
-        dest = f.dest if f.dest is not None or f.finish is None else self._destination(f.size)
+    def _range(self, r: _Range, verify: bool, stop: threading.Event) -> Any:
+        """Read, hash (with `verify`) and place bytes [r.begin, r.end) of their file; return the
+        file's result when this was its last range, else _SKIPPED."""
+        f = r.file.read
+        dest = r.file.destination(self)
         h = hashlib.sha256() if verify else None
         try:
             fd = os.open(f.path, os.O_RDONLY)
@@ -212,28 +278,28 @@ class _Lane:
             raise MlacError(f"{f.rel}: cannot read ({e.strerror})") from None
         try:
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            for offset in range(0, f.size, self.chunk):
+                os.posix_fadvise(fd, r.begin, r.size, os.POSIX_FADV_SEQUENTIAL)
+            if self.stream is not None and f.dest is None and dest is not None:
+                # NOTE: the pass's allocation may still be in use by work queued before it was freed
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            for offset in range(r.begin, r.end, self.chunk):
                 if stop.is_set():
                     return _SKIPPED
-                self._chunk(fd, f.rel, offset, min(self.chunk, f.size - offset), dest, h)
+                self._chunk(fd, f.rel, offset, min(self.chunk, r.end - offset), dest, h)
         finally:
             os.close(fd)
             if self.stream is not None:
-                self.stream.synchronize()  # NOTE: before `dest` can be freed or used on another stream
-        if h is not None and h.hexdigest() != f.sha256:
-            raise MlacError(f"{f.rel}: sha256 does not match the manifest (file modified or corrupt)")
-        if f.finish is None:
+                self.stream.synchronize()  # NOTE: before `dest` can be freed, used or finished elsewhere
+        if h is not None and h.hexdigest() != r.sha256:
+            raise MlacError(hash_mismatch(f.entry, r.begin, r.end))
+        if not r.file.placed() or f.finish is None or dest is None:
             return _SKIPPED
         return f.finish(dest if dest.device == self.device else dest.to(self.device))
 
     def _destination(self, size: int) -> torch.Tensor:
-        """The file's bytes: on the device, or on the host for a device that is neither cpu nor cuda."""
+        """A file's bytes: on the device, or on the host for a device that is neither cpu nor cuda."""
         on = self.device if self.device.type in ("cpu", "cuda") else torch.device("cpu")
-        dest = torch.empty(size, dtype=torch.uint8, device=on)
-        if self.stream is not None:  # NOTE: the memory may still be in use by work queued before it was freed
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return dest
+        return torch.empty(size, dtype=torch.uint8, device=on)
 
     def _chunk(self, fd: int, rel: str, offset: int, n: int, dest: torch.Tensor | None, h) -> None:
         if dest is not None and not self.cuda:
@@ -260,4 +326,4 @@ class _Lane:
         return self.scratch[self.turn][:n]
 
 
-_SKIPPED = object()  # a file only hashed, or left when another thread failed
+_SKIPPED = object()  # not a file's last range, a file only hashed, or left when another thread failed
