@@ -10,6 +10,7 @@ import functools
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -647,13 +648,18 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         -d '{"model": "out", "messages": [{"role": "user", "content": "Hi"}]}'
     """
     from mlac.runtime.serve.engine_process import EngineProcess
+    from mlac.runtime.world import LaunchSpec, launches_rank_0, start_node_ranks
 
-    process = EngineProcess.start() if engine_process else None  # it imports torch while we do
+    launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    launch = launch if nnodes > 1 else None
+    serves = launches_rank_0(launch)  # else another node, or torchrun RANK > 0: no HTTP server here
+    # the other ranks of this node start now and import torch while this process (or the engine's) does
+    if not serves:
+        launch = replace(launch or LaunchSpec(), ranks=start_node_ranks(out_dir, launch))
+    process = EngineProcess.start(out_dir, launch) if engine_process and serves else None
     if process is not None:
         click.get_current_context().call_on_close(process.close)
     from mlac.runtime.device import check_device
-    from mlac.runtime.dist import launches_rank_0
-    from mlac.runtime.runner import LaunchSpec
     from mlac.runtime.scheduler import SchedulerConfig
     from mlac.runtime.serve import ServerConfig, api_key_from_env, load_engine
     from mlac.runtime.serve import serve as run_server
@@ -662,14 +668,13 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
     if num_blocks is not None and kv_cache_bytes is not None:
         raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
     device = check_device(device)
-    launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
     config = ServerConfig(
         artifact=out_dir, host=host, port=port, api_key=api_key_from_env(api_key), device=device, dtype=dtype,
         scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
                                   prefix_cache=not disable_radix_cache, overlap=_overlap(disable_overlap_schedule),
                                   speculative_num_steps=num_steps_of(speculative_algorithm, speculative_num_steps)),
         num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_queue=max_queue, drain_timeout=drain_timeout,
-        served_model_name=served_model_name, launch=launch if nnodes > 1 else None, max_body_bytes=max_body_bytes,
+        served_model_name=served_model_name, launch=launch, max_body_bytes=max_body_bytes,
         request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify, cuda_graph=cuda_graph,
         cuda_graph_max_bs=cuda_graph_max_bs, gpu_memory_utilization=gpu_memory_utilization, dp_attention=dp_attention,
         max_model_len=max_model_len, process_start=PROCESS_START, require_prepared=require_prepared,
@@ -678,8 +683,12 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         log_requests=log_requests, log_stats=not disable_log_stats, log_stats_interval=log_stats_interval,
         engine_process=process is not None,
     )  # fmt: skip
-    if not launches_rank_0(config.launch):  # another node, or torchrun RANK > 0: no HTTP server here;
-        load_engine(config).close()  # its ranks run rank 0's steps inside make_runner, which ends the process
+    if not serves:  # this node's ranks run rank 0's steps inside make_runner, which ends the process
+        try:
+            load_engine(config).close()
+        finally:
+            if launch.ranks is not None:
+                launch.ranks.close()  # those the load did not take: it failed before it needed them
         return
     run_server(config, log_level=log_level, process=process)
 

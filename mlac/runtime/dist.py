@@ -8,6 +8,11 @@ One process per rank. Three ways to start them, one code path (runner.make_runne
     torchrun         every process is started by torchrun (env RANK, WORLD_SIZE, LOCAL_RANK,
                      MASTER_ADDR, MASTER_PORT) and spawns nothing
 
+Who runs where is decided in world.py (no torch). A node's first process has node_ranks.py
+spawn its other ranks: when it joins (RankGroup.join), or earlier, before it imports torch itself
+(world.start_node_ranks, passed as LaunchSpec.ranks: `mlac serve`'s engine process), so that
+the ranks import torch while it does, not after it.
+
 Rendezvous goes through a TCPStore (rank 0 hosts it; under torchrun, torchrun's). Besides the
 process groups, the store carries the control protocol:
 
@@ -39,92 +44,31 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from mlac.artifact import ParallelPlan
 from mlac.errors import MlacError
+from mlac.runtime.node_ranks import NodeRanks
 from mlac.runtime.shm_channel import ShmChannel
 from mlac.runtime.step_link import StepLink, send_stop
+from mlac.runtime.world import (  # noqa: F401  (LaunchSpec, plan_world, launches_rank_0: re-exported)
+    LaunchSpec,
+    World,
+    launches_rank_0,
+    plan_world,
+)
 
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 IDLE_TIMEOUT = timedelta(days=3650)  # followers wait for the next step as long as the server lives
 POLL_S = 0.02
 FAILURE_GRACE_S = 1.0  # after a broken collective: how long to wait for a rank to report why
 CHANNEL_ENV = "MLAC_STEP_CHANNEL"  # "shm" (default: the shared-memory channel on one node) or "gloo"
 
 log = logging.getLogger("mlac.runtime")
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How the processes of a multi-rank artifact find each other (torch.distributed rendezvous).
-
-    One node (nnodes 1): ranks meet on a free port of 127.0.0.1 and master_* is not used. Several
-    nodes: run the same command on each node with its node_rank; master_addr:master_port is
-    where node 0's rank 0 listens. `timeout_s` bounds the start (meeting and loading) and each
-    collective."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    timeout_s: float = 600.0
-
-
-@dataclass(frozen=True)
-class World:
-    """Where one process sits: its global rank, the world, its node's ranks, how to meet."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int  # ranks on this node
-    master_addr: str
-    master_port: int  # 0: rank 0's store picks a free port (one node)
-    timeout_s: float = 600.0
-    torchrun: bool = False
-
-    @property
-    def spawns_local_ranks(self) -> bool:
-        """Whether this process starts the other ranks of its node (not under torchrun)."""
-        return not self.torchrun and self.local_rank == 0 and self.local_size > 1
-
-    def local_peer(self, local_rank: int) -> World:
-        return replace(self, rank=self.rank - self.local_rank + local_rank, local_rank=local_rank)
-
-
-def plan_world(
-    plan: ParallelPlan, launch: LaunchSpec | None = None, env: Mapping[str, str] = os.environ
-) -> World:
-    """This process's place in the world the artifact needs; refuse a launch that does not fit it."""
-    need, timeout = plan.world_size, (launch or LaunchSpec()).timeout_s
-    ranks = f"tp={plan.tp} ({need} rank{'s' if need > 1 else ''})"
-    if all(k in env for k in TORCHRUN_ENV):
-        size, rank, local_rank = int(env["WORLD_SIZE"]), int(env["RANK"]), int(env["LOCAL_RANK"])
-        if size != need:
-            raise MlacError(f"artifact compiled for {ranks}; this launch has {size}")
-        if not 0 <= rank < size:
-            raise MlacError(f"RANK={rank} out of range for WORLD_SIZE={size}")
-        local_size = int(env.get("LOCAL_WORLD_SIZE", size))
-        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        return World(rank, size, local_rank, local_size, addr, port, timeout, torchrun=True)
-    launch = launch or LaunchSpec()
-    if launch.nnodes < 1 or not 0 <= launch.node_rank < launch.nnodes:
-        raise MlacError(f"node rank {launch.node_rank} out of range for {launch.nnodes} node(s)")
-    if need % launch.nnodes:
-        raise MlacError(f"artifact compiled for {ranks} cannot be split evenly over {launch.nnodes} nodes")
-    local = need // launch.nnodes
-    if launch.nnodes == 1:
-        return World(0, need, 0, local, "127.0.0.1", 0, timeout)
-    rank0 = launch.node_rank * local
-    return World(rank0, need, 0, local, launch.master_addr, launch.master_port, timeout)
 
 
 def rank_device(world: World, device: torch.device | str) -> torch.device:
@@ -147,15 +91,6 @@ def check_devices(world: World, device: torch.device | str, gpus: int | None = N
         nodes = world.size // world.local_size
         plan = f"tp={world.size}" if nodes == 1 else f"tp={world.size} over {nodes} nodes"
         raise MlacError(f"artifact needs {world.local_size} GPUs ({plan}), this machine has {have}")
-
-
-def launches_rank_0(launch: LaunchSpec | None = None, env: Mapping[str, str] = os.environ) -> bool:
-    """Whether this process becomes rank 0 (the one that gets a runner back and serves), before
-    any artifact is read: not a torchrun process of RANK > 0, not a node of node_rank > 0. The
-    others run their ranks inside make_runner, which ends their process."""
-    if all(k in env for k in TORCHRUN_ENV):
-        return int(env["RANK"]) == 0
-    return launch is None or launch.node_rank == 0
 
 
 def end_process(world: World, code: int) -> NoReturn:
@@ -193,13 +128,17 @@ class RankGroup:
         self.control: StepLink | None = None  # how the steps go from rank 0 to the others
         self.failed: str | None = None  # why the group stopped (rank 0)
         self.closed = False
+        self.met_s = 0.0  # rank 0: how long start() waited for the other ranks to reach the store
 
     # ---- start -------------------------------------------------------------------------------
 
     @classmethod
-    def join(cls, world: World, target: Callable[..., Any], args: tuple = ()) -> RankGroup:
-        """Open the store and, on a node's first process, spawn the node's other ranks, each
-        running `target(*args, world_of_that_rank)` in a fresh interpreter (spawn, daemonic)."""
+    def join(
+        cls, world: World, target: Callable[..., Any], args: tuple = (), spawned: NodeRanks | None = None
+    ) -> RankGroup:
+        """Open the store and, on a node's first process, have the node's other ranks run
+        `target(*args, world_of_that_rank)`: in the processes `spawned` already (node_ranks.py:
+        started before this process imported torch), or in ones spawned now."""
         if dist.is_initialized():  # NOTE: the model's collectives use torch.distributed's default group
             raise MlacError("a multi-rank runner is already running in this process; close() it first")
         store = open_store(world)
@@ -207,12 +146,10 @@ class RankGroup:
             world = replace(world, master_port=store.port)  # the free port rank 0's store took
         procs = {}
         if world.spawns_local_ranks:
-            ctx = mp.get_context("spawn")
-            for i in range(1, world.local_size):
-                peer = world.local_peer(i)
-                p = ctx.Process(target=target, args=(*args, peer), name=f"mlac-rank-{peer.rank}", daemon=True)
-                p.start()
-                procs[peer.rank] = p
+            peers = world.local_peers()
+            if spawned is None or spawned.ranks != sorted(peers):  # (a mismatch: the caller closes it)
+                spawned = NodeRanks.spawn(sorted(peers))
+            procs = spawned.hand_over(target, args, peers)
         return cls(world, store, procs)
 
     def start(
@@ -223,7 +160,9 @@ class RankGroup:
         w = self.world
         try:
             if w.rank == 0:
+                t = time.monotonic()
                 self._wait_all("joined")
+                self.met_s = time.monotonic() - t  # ~0 once the ranks imported torch while rank 0 did
             else:
                 self.ctl.set(f"joined/{w.rank}", "1")
             if device.type == "cuda":

@@ -12,7 +12,6 @@ import atexit
 import hashlib
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,15 +26,7 @@ from mlac.config import ModelConfig
 from mlac.errors import MlacError
 from mlac.passes.buckets import MAX_BS as MAX_GRAPH_BS
 from mlac.passes.buckets import decode_buckets
-from mlac.runtime.dist import (
-    LaunchSpec,
-    RankGroup,
-    World,
-    check_devices,
-    end_process,
-    plan_world,
-    rank_device,
-)
+from mlac.runtime.dist import RankGroup, check_devices, end_process, rank_device
 from mlac.runtime.dp_attention import BlockPool, DPRank
 from mlac.runtime.dp_graphs import DPDecodeGraphs
 from mlac.runtime.graphs import DecodeGraphs
@@ -44,11 +35,13 @@ from mlac.runtime.layers import Weights
 from mlac.runtime.loader import check_files, load_artifact, start_load
 from mlac.runtime.memory_plan import KVPlan, bucket_plan, check_max_model_len, plan_ranks
 from mlac.runtime.model import DeepseekModel
+from mlac.runtime.node_ranks import NodeRanks
 from mlac.runtime.parallel import SINGLE, ParallelContext
 from mlac.runtime.spec_exec import Fail, Send, SpecExecutor
 from mlac.runtime.spec_graphs import DraftGraphs
 from mlac.runtime.step import Step
 from mlac.runtime.step_link import SpecOp, recv_step, send_spec, send_step
+from mlac.runtime.world import LaunchSpec, World, plan_world
 
 __all__ = ["DistributedRunner", "LaunchSpec", "ModelRunner", "RuntimeOptions", "make_cache", "make_runner"]
 
@@ -77,7 +70,7 @@ class ModelRunner:
         self.graphs = graphs
         self.dp = dp
         # what the start cost, for the start-up log (build_runner): load_s, load_gb, graphs_s, and
-        # with the overlap load_graphs_s (the wall of the two together)
+        # with the overlap load_graphs_s (the wall of the two together), multi-rank ranks_met_s (dist.py)
         self.startup = startup or {}
         self.draft_graphs: DraftGraphs | None = None  # speculative decoding's MTP steps (spec_graphs.py)
         self._spec: SpecExecutor | None = None
@@ -208,7 +201,8 @@ def make_runner(
 
     A 1-rank artifact runs in this process. A tp-N artifact runs one process per rank, each
     loading only its own files (dist.py): on one machine this process becomes rank 0 and spawns
-    the others; with `launch` (nnodes > 1) each node's process spawns that node's ranks; under
+    the others (or hands their work to launch.ranks, spawned early: world.start_node_ranks);
+    with `launch` (nnodes > 1) each node's process spawns that node's ranks; under
     torchrun every process calls make_runner. Rank 0 gets a DistributedRunner once every rank
     has loaded. Any other rank serves steps inside this call until rank 0 closes, then exits its
     process with sys.exit(0) (or 1 after a failure): code after make_runner runs on rank 0 only.
@@ -227,7 +221,8 @@ def make_runner(
     if world.size == 1:
         return build_runner(RankJob(str(path), str(device), dtype, verify, options), rank=0)
     check_local_ranks(Path(path), manifest, world)
-    return run_rank(RankJob(str(path), torch.device(device).type, dtype, verify, options), world)
+    job = RankJob(str(path), torch.device(device).type, dtype, verify, options)
+    return run_rank(job, world, spawned=launch.ranks if launch is not None else None)
 
 
 def check_dp_attention(plan: ParallelPlan, expected: bool | None) -> None:
@@ -379,20 +374,23 @@ def _assemble(
 
 
 def run_rank(
-    job: RankJob, world: World, target: Callable[[RankJob, World], Any] | None = None
+    job: RankJob,
+    world: World,
+    target: Callable[[RankJob, World], Any] | None = None,
+    spawned: NodeRanks | None = None,
 ) -> DistributedRunner:
-    """This process's rank of a multi-rank artifact. A node's first process spawns the node's
-    other ranks, each running `target(job, its world)` (default: run_rank). Rank 0 returns once
-    every rank is loaded; any other rank serves steps and then exits the process."""
+    """This process's rank of a multi-rank artifact. A node's first process has the node's other
+    ranks run `target(job, its world)` (default: run_rank), in the processes `spawned` early
+    (LaunchSpec.ranks) or in ones it spawns now. Rank 0 returns once every rank is loaded; any
+    other rank serves steps and then exits the process."""
     device = rank_device(world, job.device)
     check_devices(world, device)
-    if world.local_rank != 0 and not world.torchrun:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the others
-    group = RankGroup.join(world, target or run_rank, (job,))
+    group = RankGroup.join(world, target or run_rank, (job,), spawned)
     build = lambda process_group: build_runner(job, world.rank, process_group, device)  # noqa: E731
     try:
         runner = group.start(device, build, job.fingerprint)
         if world.rank == 0:
+            runner.startup["ranks_met_s"] = group.met_s  # the start-up log's "ranks met" phase
             return DistributedRunner(runner, group)
         serve_steps(runner, group)
     except SystemExit:

@@ -23,15 +23,18 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 from mlac.errors import MlacError
+from mlac.runtime.node_ranks import NodeRanks
 from mlac.runtime.scheduler import Delta
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_start import GIL_SWITCH_INTERVAL_S, load_engine, log_to_stderr
 from mlac.runtime.serve.loop import EngineLoop, encode_error
 from mlac.runtime.serve.metrics import MetricsRecorder
+from mlac.runtime.world import LaunchSpec
 
 log = logging.getLogger("mlac.server")
 
@@ -78,16 +81,24 @@ class PipeOutlet:
 
 
 def run(
-    conn: Connection, config: ServerConfig, log_level: str, load: Callable[[], Any] | None = None
+    conn: Connection,
+    config: ServerConfig,
+    log_level: str,
+    load: Callable[[], Any] | None = None,
+    ranks: NodeRanks | None = None,
 ) -> None:
     """The engine process's life: load (`load()`, default engine_start.load_engine(config), on the engine
     thread), then apply the server's messages until it says stop or goes away; then stop the
-    engine (what is left ends with an error)."""
+    engine (what is left ends with an error). `ranks`: the artifact's other ranks on this node,
+    spawned already (engine_process.py): the default load hands them their work; they are
+    closed if it did not (the load failed first, or a custom `load`)."""
     log_to_stderr(log_level)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine thread and this one (see launch.serve)
     channel, metrics = Channel(conn), MetricsRecorder()
     stats_interval = config.log_stats_interval if config.log_stats else None
-    load = load or (lambda: load_engine(config))
+    if ranks is not None:
+        config = replace(config, launch=replace(config.launch or LaunchSpec(), ranks=ranks))
+    load = _closing(load or (lambda: load_engine(config)), ranks)
     loop = EngineLoop(load, metrics, config.max_unfinished, config.log_requests, stats_interval,
                       PipeOutlet(channel, metrics))  # fmt: skip
     loop.on_ready = lambda: channel.send(("ready", _ready_info(loop.engine), metrics.take()))
@@ -97,6 +108,20 @@ def run(
         _apply_messages(conn, loop, channel)
     finally:
         loop.stop()
+
+
+def _closing(load: Callable[[], Any], ranks: NodeRanks | None) -> Callable[[], Any]:
+    """`load`, then close the early ranks it did not take (a no-op for those it took)."""
+    if ranks is None:
+        return load
+
+    def run_load() -> Any:
+        try:
+            return load()
+        finally:
+            ranks.close()
+
+    return run_load
 
 
 def _ready_info(engine) -> dict:

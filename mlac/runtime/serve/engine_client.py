@@ -256,4 +256,5 @@ def start_engine(
     config: ServerConfig, metrics: Metrics, log_level: str, process: Any = None, load: Any = None
 ) -> EngineClient:
     """An EngineClient over `process` (an EngineProcess started early), or over one started now."""
-    return EngineClient(process or EngineProcess.start(), config, metrics, log_level, load)
+    process = process or EngineProcess.start(config.artifact, config.launch)
+    return EngineClient(process, config, metrics, log_level, load)

@@ -1,13 +1,16 @@
 """The serving engine's own process, started before the server imports its HTTP stack.
 
-    process = EngineProcess.start()      # spawns the child: it imports torch and mlac meanwhile
+    process = EngineProcess.start(path, launch)  # spawns the child: it spawns the artifact's
+                                         # other ranks, then imports torch and mlac meanwhile
     ...                                  # the server imports FastAPI, checks the artifact and port
     process.configure(config, "info")    # the child loads the engine (serve/engine_child.py)
     ...                                  # messages over process.conn (serve/engine_client.py)
     process.close()
 
 This module imports nothing heavy, so that the child starts (and imports torch) while the parent
-is still importing. The child ignores SIGINT and SIGTERM: the server process drains and then
+is still importing. The child reads the artifact's manifest first and, for a multi-rank artifact,
+spawns this node's other ranks before it imports torch (world.start_node_ranks): every rank
+imports torch at once. The child ignores SIGINT and SIGTERM: the server process drains and then
 tells it to stop; it also stops when the server process goes away (its end of the pipe closes).
 """
 
@@ -18,7 +21,11 @@ import multiprocessing as mp
 import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlac.runtime.world import LaunchSpec
 
 log = logging.getLogger("mlac.server")
 
@@ -33,11 +40,14 @@ class EngineProcess:
         self.configured = False
 
     @classmethod
-    def start(cls) -> EngineProcess:
-        """Spawn the child (not daemonic: it spawns the ranks of a multi-rank artifact)."""
+    def start(cls, artifact: str | Path | None = None, launch: LaunchSpec | None = None) -> EngineProcess:
+        """Spawn the child (not daemonic: it spawns the ranks of a multi-rank artifact). With the
+        `artifact` (and the `launch`, a LaunchSpec, that its config will carry) the child spawns
+        the artifact's other ranks on this node before it imports torch."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=_child_main, args=(child,), name="mlac-engine", daemon=False)
+        args = (child, artifact, launch)
+        process = ctx.Process(target=_child_main, args=args, name="mlac-engine", daemon=False)
         process.start()
         child.close()
         return cls(process, parent)
@@ -60,15 +70,21 @@ class EngineProcess:
             self.process.join()
 
 
-def _child_main(conn: Connection) -> None:
-    """The child: import the engine's modules now, then wait for the config and serve."""
+def _child_main(conn: Connection, artifact: str | Path | None, launch: LaunchSpec | None) -> None:
+    """The child: spawn the artifact's other ranks (if any), import the engine's modules now, then
+    wait for the config and serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from mlac.runtime.world import start_node_ranks  # (no torch)
+
+    ranks = start_node_ranks(artifact, launch) if artifact is not None else None
     from mlac.runtime import engine  # noqa: F401  (torch, the model, the runner: imported while
     from mlac.runtime.serve import engine_child  # the server imports its own, before the config comes)
 
     try:
         config, log_level, load = conn.recv()
     except (EOFError, OSError):  # the server stopped before it configured us
+        if ranks is not None:
+            ranks.close()
         return
-    engine_child.run(conn, config, log_level, load)
+    engine_child.run(conn, config, log_level, load, ranks)

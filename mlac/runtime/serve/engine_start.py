@@ -63,7 +63,9 @@ def record_startup(engine, import_s: float, warmup_s: float, ready_s: float) -> 
 def startup_line(s: dict, verified: bool, kv_dtype: str) -> str:
     """The one start-up summary line of engine.startup, e.g. `ready in 9.8 s: import 1.2 s,
     verify+load 3.1 s (31.4 GB, 10.1 GB/s), graphs 1.9 s (20 buckets), load+graphs 3.3 s, warm-up
-    2.0 s; KV cache 812,032 tokens (fp8_e4m3), max context 163,840, CUDA graphs up to batch 256`."""
+    2.0 s; KV cache 812,032 tokens (fp8_e4m3), max context 163,840, CUDA graphs up to batch 256`;
+    a multi-rank artifact's has `ranks met 0.1 s` after the import (rank 0's wait for the other
+    ranks to reach the store: their spawn and imports, dist.RankGroup.start)."""
     gbps = s["load_gb"] / max(s["load_s"], 1e-9)
     what = "verify+load" if verified else "load"
     load = f"{what} {s['load_s']:.1f} s ({s['load_gb']:.1f} GB, {gbps:.1f} GB/s)"
@@ -73,8 +75,9 @@ def startup_line(s: dict, verified: bool, kv_dtype: str) -> str:
     if s["graph_buckets"] and "load_graphs_s" in s:  # the two overlapped (runner.build_runner): their wall
         graphs += f", load+graphs {s['load_graphs_s']:.1f} s"
     upto = f"up to batch {s['graph_max_bs']}" if s["graph_buckets"] else "off"
+    ranks = f", ranks met {s['ranks_met_s']:.1f} s" if "ranks_met_s" in s else ""  # multi-rank (dist.py)
     return (
-        f"ready in {s['ready_s']:.1f} s: import {s['import_s']:.1f} s, {load}, {graphs}, "
+        f"ready in {s['ready_s']:.1f} s: import {s['import_s']:.1f} s{ranks}, {load}, {graphs}, "
         f"warm-up {s['warmup_s']:.1f} s; KV cache {s['kv_tokens']:,} tokens ({kv_dtype}), "
         f"max context {s['max_context']:,}, CUDA graphs {upto}"
     )
