@@ -11,6 +11,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET must be set before any
+# kernel module is imported (its @triton.jit functions are made interpreted or compiled then), and
+# a test file outside tests/kernels/ may import one (through mlac.runtime) before a kernel test does.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3")
 
