@@ -485,8 +485,11 @@ def test_gpu_decode_v2_lite(fp8, t, monkeypatch):
     w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t)
     weights, ids = _routing(t, e, top_k, seed=t + 1, n_invalid=t // 4)
     x = _x(t, d, seed=t)
+    # from 4 tokens on the grouped GEMMs win and the server gives them these shapes; the decode
+    # kernels must still be right there (a MoeDecodeConfig asks for them)
     cfg = moe_mod.pick_moe_decode_config(ids.numel(), e, fp8)
-    assert cfg is not None
+    assert (cfg is not None) == (t == 1)
+    cfg = cfg or dec_mod.MoeDecodeConfig(fuse_sum=fp8, dot=not fp8)
     ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
     out = _run(x, w13, w2, weights, ids, s13, s2, cfg)
     _util.assert_close(out, ref)

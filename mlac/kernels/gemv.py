@@ -404,11 +404,13 @@ def _skinny_kernel(
 # ---- wrappers --------------------------------------------------------------------------------
 
 
-def skinny_applies(x: torch.Tensor | Fp8Act, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
+def skinny_applies(
+    x: torch.Tensor | Fp8Act, w: torch.Tensor, scale: torch.Tensor | None, fp8_everywhere: bool = False
+) -> bool:
     """Whether `skinny_linear` takes this product: at most MAX_ROWS rows, and dtypes it handles
     (FP8 weights with a scale; else bf16/fp16 weights with x of the same dtype), where it is the
     faster path: bf16 unless TUNED says None; FP8 only where TUNED holds a config (none today:
-    see TUNED's comment)."""
+    see TUNED's comment), or every FP8 shape with `fp8_everywhere` (A/B runs)."""
     a = x.q if isinstance(x, Fp8Act) else x
     k = a.shape[-1]
     if k == 0 or a.numel() // k > MAX_ROWS:
@@ -416,7 +418,7 @@ def skinny_applies(x: torch.Tensor | Fp8Act, w: torch.Tensor, scale: torch.Tenso
     kind = "fp8" if scale is not None else "bf16"
     key = (kind, w.shape[0], k, m_class(max(1, a.numel() // k)))
     if scale is not None:  # FP8: only where TUNED holds a config (it lost inside the decode step)
-        return w.dtype == FP8 and TUNED.get(key) is not None
+        return w.dtype == FP8 and (fp8_everywhere or TUNED.get(key) is not None)
     if key in TUNED and TUNED[key] is None:
         return False  # measured slower than cuBLAS (unmeasured shapes take it)
     return not isinstance(x, Fp8Act) and w.dtype in DENSE_DTYPES and x.dtype == w.dtype

@@ -382,6 +382,18 @@ def _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale)
         assert t.device == q_nope_lat.device
 
 
+def decode_num_splits(
+    q_nope_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, config: dict | None = None
+) -> int:
+    """The split count `mla_decode_triton` takes for these sizes (static ones only: a CUDA graph's)."""
+    b, h, _ = q_nope_lat.shape
+    dev = q_nope_lat.device
+    cfg = {**default_config(h, dev, kv_cache.dtype), **(config or {})}
+    slots = (_sm_count(dev.index or 0) if dev.type == "cuda" else 8) * cfg["ctas_per_sm"]
+    max_len = block_table.shape[1] * kv_cache.shape[1]
+    return choose_num_splits(b, -(-h // cfg["BLOCK_H"]), max_len, cfg["BLOCK_N"], slots)
+
+
 def mla_decode_triton(
     q_nope_lat: torch.Tensor,
     q_rope: torch.Tensor,
@@ -409,8 +421,7 @@ def mla_decode_triton(
     cfg = {**default_config(h, dev, kv_cache.dtype), **(config or {})}
     head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
     if num_splits is None:
-        slots = (_sm_count(dev.index or 0) if dev.type == "cuda" else 8) * cfg["ctas_per_sm"]
-        num_splits = choose_num_splits(b, head_blocks, block_table.shape[1] * page, cfg["BLOCK_N"], slots)
+        num_splits = decode_num_splits(q_nope_lat, kv_cache, block_table, config)
     is_fp8 = kv_cache.dtype in FP8_KV_DTYPES
     has_scale = kv_scale is not None and is_fp8
     out_dtype = q_nope_lat.dtype
@@ -506,6 +517,7 @@ def mla_decode(
 __all__ = [
     "SplitKV",
     "choose_num_splits",
+    "decode_num_splits",
     "default_config",
     "merge_ref",
     "mla_decode",

@@ -19,6 +19,7 @@ Its last head_bmm merges mla_decode's split-KV partials while loading them and, 
 quantizes its own output (kernels/head_bmm.py): 3 launches (head_bmm, split-KV attention, head_bmm)
 where there were up to 5 (+ the split merge when num_splits > 1, + o_proj's act_quant when FP8).
 MLAC_FUSED_MLA_OUT=0 (read once, at import) gives the separate merge and act_quant launches back.
+The merge moves into head_bmm only up to FUSED_MERGE_MAX_SPLITS splits (see there).
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ from mlac.fp8 import BLOCK
 from mlac.kernels.extend_attention import extend_attention
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.head_bmm import head_bmm
-from mlac.kernels.mla_decode import mla_decode
+from mlac.kernels.mla_decode import decode_num_splits, mla_decode
 
 FUSED_MLA_OUT: bool = os.environ.get("MLAC_FUSED_MLA_OUT") != "0"  # read once, at import
+# head_bmm's merge reloads every used split's partials for each of its K steps. On an H200
+# (benchmarks/bench_mla_out.py, V2-Lite, benchmarks/results/fused_ab_h200_run.txt) it beat the merge
+# launch at 8 splits (batch 32, 256 tokens: 24.4 against 27.0 us) and lost at 32-64 splits (batch 1,
+# 256 tokens: 21.6 against 17.0 us; in the decode step 367.6 against 389.1 tok/s, FP8): more splits merge
+# in their own launch.
+FUSED_MERGE_MAX_SPLITS = 8
 
 # Largest kv-weighted mean of new tokens per sequence for which the absorbed form is chosen.
 # FLOP break-even: decompression 2·C·(nope + v) = 262144 per cached token per head against
@@ -113,9 +120,8 @@ def decode_absorbed(
     `Fp8Act` instead: the bits o_proj's own act_quant would give (made by head_bmm when
     FUSED_MLA_OUT and v % 128 == 0, else o_proj quantizes the tensor returned)."""
     q_lat = head_bmm(q_nope, w_kc)  # [B, H, C] contiguous
-    o_lat = mla_decode(
-        q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale, merge=not FUSED_MLA_OUT
-    )
+    fuse_merge = FUSED_MLA_OUT and decode_num_splits(q_lat, kv_cache, block_tables) <= FUSED_MERGE_MAX_SPLITS
+    o_lat = mla_decode(q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale, merge=not fuse_merge)
     quant_out = quant_out and FUSED_MLA_OUT and w_vc.shape[-1] % BLOCK == 0
     o = head_bmm(o_lat, w_vc, quant_out=quant_out)  # [B, H, v] (o_lat may be SplitKV partials)
     return o if quant_out else o.flatten(1)
@@ -123,6 +129,7 @@ def decode_absorbed(
 
 __all__ = [
     "ABSORBED_MAX_Q_LEN",
+    "FUSED_MERGE_MAX_SPLITS",
     "FUSED_MLA_OUT",
     "decode_absorbed",
     "extend_absorbed",

@@ -63,8 +63,10 @@ def take_weight(weights: Weights, name: str) -> tuple[torch.Tensor, torch.Tensor
     return w, scale
 
 
-# MLAC_SKINNY_GEMM=0 (read once, at import) turns the skinny decode GEMM off, for A/B runs.
+# MLAC_SKINNY_GEMM (read once, at import), for A/B runs: 0 turns the skinny decode GEMM off; fp8 also
+# sends every FP8 weight's decode GEMM to it (by default only the shapes TUNED holds: none today).
 SKINNY_GEMM = os.environ.get("MLAC_SKINNY_GEMM", "1") != "0"
+SKINNY_FP8 = os.environ.get("MLAC_SKINNY_GEMM") == "fp8"
 
 
 class Linear(nn.Module):
@@ -103,7 +105,7 @@ class Linear(nn.Module):
     def _skinny(self, x: torch.Tensor | Fp8Act) -> bool:
         """Whether x goes to the skinny GEMM (the one place that decides)."""
         a = x.q if isinstance(x, Fp8Act) else x
-        return SKINNY_GEMM and skinny_applies(x, self.weight, self.scale) and use_triton(a)
+        return SKINNY_GEMM and skinny_applies(x, self.weight, self.scale, SKINNY_FP8) and use_triton(a)
 
 
 class Reads(enum.Enum):

@@ -173,6 +173,9 @@ def test_skinny_applies(monkeypatch):
     assert gemv.skinny_applies(x16.view(2, 8, 256), wd, None)
     assert gemv.skinny_applies(x16, w, s) and gemv.skinny_applies(_act(x16, torch.bfloat16), w, s)
     assert not gemv.skinny_applies(_act(x17, torch.bfloat16), w, s)
+    monkeypatch.setattr(gemv, "TUNED", {})  # an FP8 shape TUNED does not hold: only when asked everywhere
+    assert not gemv.skinny_applies(x16, w, s) and gemv.skinny_applies(x16, w, s, fp8_everywhere=True)
+    assert not gemv.skinny_applies(x17, w, s, fp8_everywhere=True)
     assert not gemv.skinny_applies(x16.float(), wd, None)  # dense needs x in W's dtype
     assert not gemv.skinny_applies(_act(x16, torch.bfloat16), wd, None)
 

@@ -174,6 +174,14 @@ def test_decode_absorbed_fused_equals_separate_launches(triton_device, monkeypat
     merges.clear()
     on = run()
     assert not merges, "the fused path launched the merge kernel"
+    monkeypatch.setattr(attention_forms, "FUSED_MERGE_MAX_SPLITS", 1)  # more splits merge in their own launch
+    apart = run()
+    assert merges, "splits above FUSED_MERGE_MAX_SPLITS must go to the merge kernel"
+    assert type(apart) is type(on)  # o_proj's Fp8Act still comes from head_bmm
+    if fp8_wo:
+        assert rel_err(_dequant(apart.q, apart.scale), _dequant(on.q, on.scale)) < 1e-2
+    else:
+        assert rel_err(apart, on) < 1e-2
     if not fp8_wo:
         assert isinstance(on, torch.Tensor) and on.shape == off.shape and rel_err(on, off) < 1e-2
         return
