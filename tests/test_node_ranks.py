@@ -109,6 +109,22 @@ def test_early_ranks_run_the_artifact_and_exit_with_it(tp2, tp1):
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 
 
+def _write_env(path: str, name: str, world) -> None:
+    Path(path).write_text(os.environ.get(name, "<unset>"))
+
+
+def test_a_rank_runs_with_the_environment_of_the_hand_over(tmp_path, monkeypatch):
+    """What the first process sets after the spawn (the artifact's kernel cache: TRITON_CACHE_DIR)
+    reaches the early rank with its work; without it the rank compiled every kernel again."""
+    monkeypatch.delenv("MLAC_TEST_HANDED_OVER", raising=False)
+    ranks = NodeRanks.spawn([1], preload="os")
+    monkeypatch.setenv("MLAC_TEST_HANDED_OVER", str(tmp_path / "cache"))
+    out = tmp_path / "seen"
+    (proc,) = ranks.hand_over(_write_env, (str(out), "MLAC_TEST_HANDED_OVER"), {1: None}).values()
+    proc.join(60)
+    assert proc.exitcode == 0 and out.read_text() == str(tmp_path / "cache")
+
+
 def test_a_mismatched_spawn_is_not_used(tp2):
     """Ranks spawned for another plan (the manifest changed meanwhile): the launch spawns its own."""
     other = NodeRanks.spawn([3])

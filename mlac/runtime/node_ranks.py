@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing as mp
+import os
 import signal
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
@@ -61,10 +62,14 @@ class NodeRanks:
     ) -> dict[int, BaseProcess]:
         """Send each rank r `target(*args, worlds[r])` to run, and give up the processes: they are
         the caller's to watch and reap from now on (close() no longer touches them). A rank that
-        died meanwhile gets nothing; the caller sees its exit code."""
+        died meanwhile gets nothing; the caller sees its exit code.
+        The work carries this process's environment as it is now: what the first process set after
+        the spawn (TRITON_CACHE_DIR, pointed at the artifact's verified kernel cache) reaches the
+        rank as it would have reached a rank spawned now."""
+        environ = dict(os.environ)
         for rank, pipe in self._pipes.items():
             try:
-                pipe.send((target, args, worlds[rank]))
+                pipe.send((target, args, worlds[rank], environ))
             except OSError:  # BrokenPipeError: it exited already
                 pass
             pipe.close()
@@ -91,9 +96,12 @@ def rank_main(pipe: Connection, preload: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     importlib.import_module(preload)
     try:
-        target, args, world = pipe.recv()
+        target, args, world, environ = pipe.recv()
     except (EOFError, OSError):
         return
     finally:
         pipe.close()
+    # HAZARD: settings read at import (MLAC_PDL, ...) were read at the spawn, with the environment the
+    # first process had then; later compiles (Triton's cache directory) read this one
+    os.environ.update(environ)
     target(*args, world)
