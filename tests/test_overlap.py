@@ -185,7 +185,7 @@ def test_preemption_under_a_small_pool_gives_the_same_tokens(artifact, monkeypat
     assert all(s.num_preemptions > 0 for s in preempted)
 
 
-def test_off_by_default_on_cpu_under_speculation_and_multi_rank(engine, artifact):
+def test_off_by_default_on_cpu_under_speculation_and_dp_attention(engine, artifact):
     assert engine.scheduler(SchedulerConfig()).overlap is None  # CPU: nothing to overlap
     assert engine.scheduler(SchedulerConfig(overlap=True)).overlap is not None
     config = SchedulerConfig(speculative_num_steps=2, overlap=True)
@@ -193,12 +193,17 @@ def test_off_by_default_on_cpu_under_speculation_and_multi_rank(engine, artifact
         artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler_config=config
     )
     assert spec.scheduler().spec is not None and spec.scheduler().overlap is None
-    assert overlap_mod.runs_here(engine.runner)
+    assert overlap_mod.can_overlap(engine.runner)  # multi-rank: test_overlap_multirank.py
 
-    class Rank0:  # a DistributedRunner: rank 0 broadcasts each step (no `forward` of its own)
+    class DPRank0:  # a runner under DP attention (its steps split by rank on the host)
+        dp = object()
+
+        def run_decode(self, step, ids=None): ...
+
+    class Plain:  # a runner that takes no ids from the device
         def run(self, step): ...
 
-    assert not overlap_mod.runs_here(Rank0())
+    assert not overlap_mod.can_overlap(DPRank0()) and not overlap_mod.can_overlap(Plain())
     with pytest.raises(MlacError, match="overlap=1: must be True, False or None"):
         SchedulerConfig(overlap=1)
 

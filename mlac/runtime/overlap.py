@@ -24,8 +24,12 @@ the prefix cache may key it, and a block freed at N's landing is reused only by 
 later, which the device runs after N + 1. A sequence whose N's token surely ends it (max_tokens,
 the context) gets no row in N + 1.
 
-Single-rank only (a runner that runs its steps in this process, `runs_here`); off under
-speculative decoding, which has its own device-side chain (spec_decode.py).
+Multi-rank too (one node or several; `can_overlap`): rank 0's DistributedRunner sends step N + 1
+as a fed step (step_link.FedStep), whose token ids follow the message as a broadcast over the
+model's group on the device, in stream order after step N's sampling: every rank launches N + 1
+before rank 0's host reads N's ids, and only rank 0 samples. Off under DP attention (its steps
+are split by rank on the host, dp_attention.py) and under speculative decoding, which has its own
+device-side chain (spec_decode.py).
 """
 
 from __future__ import annotations
@@ -42,10 +46,10 @@ if TYPE_CHECKING:
     from mlac.runtime.scheduler import Scheduler, Sequence
 
 
-def runs_here(runner) -> bool:
-    """Whether `runner` runs its steps in this process on one rank (a ModelRunner without DP
-    attention): only then can a step's token ids stay on the device between steps."""
-    return callable(getattr(runner, "forward", None)) and getattr(runner, "dp", None) is None
+def can_overlap(runner) -> bool:
+    """Whether `runner` can take a decode step's token ids from the device (`run_decode`: a
+    ModelRunner or a multi-rank DistributedRunner), without DP attention."""
+    return callable(getattr(runner, "run_decode", None)) and getattr(runner, "dp", None) is None
 
 
 @dataclass(eq=False)
@@ -69,7 +73,7 @@ def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda
 
 
 class Overlap:
-    """The one decode step in flight over a runner that runs here (module docstring)."""
+    """The one decode step in flight over a runner that `can_overlap` (module docstring)."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -136,7 +140,7 @@ class Overlap:
     def _launch(self, seqs: list[Sequence], step: Step, ids: torch.Tensor | None) -> Flight:
         """Run `step` (token ids from `ids` [B] on the device when given), sample on the device,
         start the copies to the host. Counts each row's token as computed."""
-        logits = run_decode(self.runner, step, ids)  # [B, V]
+        logits = self.runner.run_decode(step, ids)  # [B, V] (the graphs' view: sampled before the next step)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])  # [B]
         lps = logprob_tensors(logits, tokens, [s.params.logprobs for s in seqs])
         host, done = to_host([tokens, *(lps or ())])
@@ -174,13 +178,3 @@ def take_rows(ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def ends_next(seq: Sequence, max_context: int) -> bool:
     """Whether the token in flight surely finishes `seq` (max_tokens or the context reached)."""
     return len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_context
-
-
-def run_decode(runner, step: Step, ids: torch.Tensor | None) -> torch.Tensor:
-    """Logits [B, V] of a decode `step` on a runner that runs here, its token ids from `ids` [B]
-    on the device when given (else step.token_ids): the CUDA graphs when they take it, else eager."""
-    graphs = runner.graphs
-    if graphs is not None and graphs.can_run(step):
-        return graphs.run(step, ids=ids)
-    token_ids, batch = step.to_device(runner.cache.block_size, runner.device)
-    return runner.forward(token_ids if ids is None else ids, batch)

@@ -40,7 +40,7 @@ from mlac.runtime.parallel import SINGLE, ParallelContext
 from mlac.runtime.spec_exec import Fail, Send, SpecExecutor
 from mlac.runtime.spec_graphs import DraftGraphs
 from mlac.runtime.step import Step
-from mlac.runtime.step_link import SpecOp, recv_step, send_spec, send_step
+from mlac.runtime.step_link import FedStep, SpecOp, recv_step, send_fed, send_spec, send_step, share_ids
 from mlac.runtime.world import LaunchSpec, World, plan_world
 
 __all__ = ["DistributedRunner", "LaunchSpec", "ModelRunner", "RuntimeOptions", "make_cache", "make_runner"]
@@ -94,6 +94,15 @@ class ModelRunner:
             return self.dp.run(self.model, self.cache, step)
         token_ids, batch = step.to_device(self.cache.block_size, self.device)
         return self.forward(token_ids, batch, step.every_token)
+
+    def run_decode(self, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [B, V] of a decode `step` (not under DP attention), its token ids from
+        `ids` [B] int64 on the device when given (else step.token_ids): the CUDA graphs when they
+        take it, else eager. Overlap scheduling's steps (overlap.py)."""
+        if self.graphs is not None and self.graphs.can_run(step):  # alike on every rank
+            return self.graphs.run(step, ids=ids)
+        token_ids, batch = step.to_device(self.cache.block_size, self.device)
+        return self.forward(token_ids if ids is None else ids, batch)
 
     def forward(
         self, token_ids: torch.Tensor, batch: ForwardBatch, every_token: bool = False
@@ -410,6 +419,9 @@ def serve_steps(runner: ModelRunner, group: RankGroup) -> None:
     while (step := recv_step(group.control)) is not None:
         if isinstance(step, SpecOp):
             runner.spec_executor().apply(step.code, step.ints)  # speculative decoding (spec_exec.py)
+        elif isinstance(step, FedStep):  # overlap scheduling: the ids come from rank 0's device
+            ids = torch.empty(len(step.step.token_ids), dtype=torch.int64, device=runner.device)
+            runner.run_decode(step.step, share_ids(ids))
         else:
             runner.run(step)  # the logits are rank 0's
     runner.release_graphs()  # before the caller leaves the group
@@ -420,7 +432,9 @@ class DistributedRunner:
 
     `run` broadcasts the Step (token ids, ctx_lens, q_lens, block tables, every_token) so that
     every rank runs the same forward (the same CUDA graph), runs rank 0's part, and returns the
-    whole logits [*, V]. A failure of any rank raises MlacError naming it, and stops every rank.
+    whole logits [*, V]. `run_decode` does so for overlap scheduling, whose token ids may be rank
+    0's sampled ids on its device: they reach the other ranks by a broadcast on the device
+    (step_link.FedStep), so no rank waits on the host for them. A failure of any rank raises MlacError naming it, and stops every rank.
     `close` (also run at interpreter exit) stops the other ranks and waits for them to exit.
     """
 
@@ -444,6 +458,10 @@ class DistributedRunner:
     @property
     def graphs(self) -> DecodeGraphs | None:
         return self.local.graphs
+
+    @property
+    def dp(self) -> DPRank | None:
+        return self.local.dp
 
     @property
     def startup(self) -> dict[str, float]:
@@ -472,10 +490,21 @@ class DistributedRunner:
 
     def run(self, step: Step) -> torch.Tensor:
         """As ModelRunner.run, on every rank."""
+        return self._on_every_rank(lambda: send_step(self.group.control, step), lambda: self.local.run(step))
+
+    def run_decode(self, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As ModelRunner.run_decode, on every rank: `ids` [B] (rank 0's device) go to the others
+        on the device, after the step's message (send_fed)."""
+        link = self.group.control
+        send = (lambda: send_step(link, step)) if ids is None else (lambda: send_fed(link, ids, step))
+        return self._on_every_rank(send, lambda: self.local.run_decode(step, ids))
+
+    def _on_every_rank(self, send: Callable[[], None], run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`send` the step to the other ranks, then `run` rank 0's part. A failure stops the group."""
         self.group.check_usable()
         try:
-            send_step(self.group.control, step)
-            return self.local.run(step)
+            send()
+            return run()
         except BaseException as e:
             error = self.group.fail(e)  # names the failed rank and stops the group
             if isinstance(e, Exception):
