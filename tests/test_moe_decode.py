@@ -306,8 +306,10 @@ def test_shared_experts_ride_in_the_decode_launches(t, e, top_k, d, i, n, n_inva
     """The shared MLP is not run apart; the result is the chunks-as-experts reference's (the same
     arithmetic), and the separate MLP's up to rounding: there the shared output is rounded to bf16
     once before the float32 sum, here each chunk's output is (and the float32 sums run in another
-    order), so the two differ by bf16 roundings of partial sums (relative error well under 1e-2)."""
+    order), so the two differ by bf16 roundings of partial sums (relative error well under 1e-2).
+    The kernels must be right for any slot tile, so chunks that widen the fused sum go in here too."""
     _no_grouped_path(monkeypatch)
+    monkeypatch.setattr(moe_mod, "shared_widens_sum", lambda top_k, n: False)
     w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=t + i)
     weights, ids = _routing(t, e, top_k, seed=t + n, n_invalid=n_invalid)
     x = _x(t, d, seed=t + 1)
@@ -365,6 +367,33 @@ def test_shared_runs_apart_where_it_does_not_fit(fp8, i, s, t, monkeypatch):
     assert torch.equal(out, _run(x, w13, w2, weights, ids, s13, s2, config, shared_out=shared.mlp(x, None)))
 
 
+def test_shared_chunks_that_widen_the_fused_sum_run_apart():
+    """The fused sum's slot tile is top_k + n rounded up to a power of two: V2-Lite's 6 + 2 keep 8
+    slots (inside), V3's 8 + 1 would double them (apart: measured slower on an H200)."""
+    assert not dec_mod.shared_widens_sum(6, 2) and not dec_mod.shared_widens_sum(5, 3)
+    assert dec_mod.shared_widens_sum(8, 1) and dec_mod.shared_widens_sum(2, 2) and dec_mod.shared_widens_sum(4, 1)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_widened_fused_sum_keeps_the_shared_mlp_apart(fp8, monkeypatch):
+    """top-4 + 1 shared chunk: FP8 (the fused-sum form) runs the shared MLP apart, bf16 (GEMM2 +
+    reduce, no slot tile) takes it in."""
+    _no_grouped_path(monkeypatch)
+    t, e, top_k, d, i = 1, 8, 4, 256, 128
+    w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=21)
+    weights, ids = _routing(t, e, top_k, seed=22)
+    x = _x(t, d, seed=23)
+    calls = []
+    shared = _shared_experts(d, i, 1, fp8, seed=24, calls=calls)
+    config = dec_mod.pick_moe_decode_config(ids.numel(), e, fp8)
+    assert config is not None and config.fuse_sum == fp8
+    out = _run(x, w13, w2, weights, ids, s13, s2, config, shared=shared)
+    assert calls == ([t] if fp8 else [])
+    if fp8:
+        assert torch.equal(out, _run(x, w13, w2, weights, ids, s13, s2, config, shared_out=shared.mlp(x, None)))
+
+
 @needs_triton
 @pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v2-lite", True), ("tiny-v3", True)])
 def test_model_moe_layer_at_batch_1_takes_its_shared_experts_in(preset, fp8, artifact, monkeypatch):
@@ -379,6 +408,9 @@ def test_model_moe_layer_at_batch_1_takes_its_shared_experts_in(preset, fp8, art
     moe = next(m for m in engine.runner.model.modules() if isinstance(m, model_mod.MoE))
     assert moe.shared is not None and (moe.w13_scale is not None) == fp8
     monkeypatch.setattr(model_mod, "fused_moe", functools.partial(moe_mod.fused_moe, use_triton=True))
+    # the tiny presets' top-2/4 + shared chunks widen the FP8 fused sum (real V2-Lite's 6 + 2 do not):
+    # take them in regardless, this test is about the layer's wiring
+    monkeypatch.setattr(moe_mod, "shared_widens_sum", lambda top_k, n: False)
     calls = []
     real_shared = model_mod.MoE._shared
     monkeypatch.setattr(model_mod.MoE, "_shared", lambda self, *a: calls.append(1) or real_shared(self, *a))

@@ -38,6 +38,7 @@ from mlac.kernels.moe_decode import (
     moe_decode_gate_up,
     pick_moe_decode_config,
     shared_chunks,
+    shared_widens_sum,
 )
 
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -561,11 +562,9 @@ def fused_moe_triton(
     p = t * top_k
     fp8 = w13_scale is not None
     cfg = config or pick_moe_decode_config(p, e, fp8) or pick_moe_config(p, e, fp8)
-    fused = (
-        shared
-        if isinstance(cfg, MoeDecodeConfig) and p > 0 and shared_chunks(shared, w13, w13_scale)
-        else None
-    )
+    n_shared = shared_chunks(shared, w13, w13_scale) if isinstance(cfg, MoeDecodeConfig) and p > 0 else 0
+    widens = n_shared and cfg.fuse_sum and shared_widens_sum(top_k, n_shared)
+    fused = shared if n_shared and not widens else None
     if shared is not None:
         assert shared_out is None, "give the shared experts as shared_out or as shared, not both"
         shared_out = None if fused is not None else shared.mlp(x, x_act)
