@@ -174,3 +174,20 @@ def test_a_fed_step_message_round_trips():
     step = Step.of([[0], [0], [0]], [4, 17, 2], [[3], [5, 6], [9]])
     assert decode(encode_step(step, fed=True)) == FedStep(step)
     assert decode(encode_step(step)) == step
+
+
+def test_multi_rank_overlap_is_on_by_default_only_when_asked(monkeypatch):
+    """Not yet run on GPUs: where the config does not say, a multi-rank runner on CUDA overlaps only
+    with MLAC_MULTIRANK_OVERLAP=1 (MULTIRANK_BY_DEFAULT); one rank on CUDA does; CPU does not."""
+    import types
+
+    import mlac.runtime.overlap as overlap_mod
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    one = types.SimpleNamespace(device=cuda)
+    several = types.SimpleNamespace(device=cuda, group=object())
+    monkeypatch.setattr(overlap_mod, "MULTIRANK_BY_DEFAULT", False)
+    assert overlap_mod.on_by_default(one) and not overlap_mod.on_by_default(several)
+    assert not overlap_mod.on_by_default(types.SimpleNamespace(device=cpu))
+    monkeypatch.setattr(overlap_mod, "MULTIRANK_BY_DEFAULT", True)
+    assert overlap_mod.on_by_default(several)

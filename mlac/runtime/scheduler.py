@@ -52,7 +52,7 @@ import torch
 from mlac.errors import MlacError
 from mlac.runtime.constrain import Matcher, mask_logits
 from mlac.runtime.dp_attention import route
-from mlac.runtime.overlap import Overlap, can_overlap
+from mlac.runtime.overlap import Overlap, can_overlap, on_by_default
 from mlac.runtime.prefix_cache import Node
 from mlac.runtime.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from mlac.runtime.spec_decode import SpecDecoder
@@ -259,7 +259,7 @@ class Scheduler:
         self._watermark = max(1, alloc.num_blocks // 100)  # blocks kept free when admitting
         k = self.config.speculative_num_steps
         self.spec = SpecDecoder(runner, k) if k else None  # speculative decoding (opt-in)
-        on = self.config.overlap if self.config.overlap is not None else runner.device.type == "cuda"
+        on = self.config.overlap if self.config.overlap is not None else on_by_default(runner)
         self.overlap = Overlap(runner) if on and self.spec is None and can_overlap(runner) else None
 
     # ---- requests ----------------------------------------------------------------------------
