@@ -1,7 +1,7 @@
 """Benchmark: one MoE layer at batch 1 with its shared experts, apart (their own MLP) or inside the
 routed experts' decode launches (moe_decode.SharedExperts).
 
-    python benchmarks/bench_moe_shared.py [--out results.json]
+    python benchmarks/bench_moe_shared.py [--out results.json] [--sweep]
 
 Shapes: V2-Lite (E=64, top-6, H=2048, I=1408, 2 shared experts) and a 32-expert slice of V3
 (H=7168, I=2048, top-8, 1 shared), bf16 and block-FP8, one token. "apart" is the model's path
@@ -14,11 +14,14 @@ alternating between two copies of the weights (a call does not find the previous
 L2). Reported: microseconds per call, the bytes the call reads (distinct routed experts' and the
 shared experts' weights and scales) as a fraction of the device-to-device copy bandwidth measured
 in the same run, and the kernel launches of one call (torch.profiler). MLAC_PDL applies as set.
+`--sweep`: also "inside" under each decode config of bench_moe_decode.sweep (one token), fastest first:
+the FP8 default reads its experts at well under bf16's fraction of copy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_moe_decode import sweep  # noqa: E402
 from gpu_timing import copy_gbps, graph_us  # noqa: E402
 
 from mlac.kernels import moe as M  # noqa: E402
@@ -63,7 +67,7 @@ def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def bench(name, e, top_k, h, i, n_shared, fp8, copy) -> dict:
+def bench(name, e, top_k, h, i, n_shared, fp8, copy, configs: bool = False) -> dict:
     layers = [make_layer(e, h, i, n_shared, fp8) for _ in range(2)]
     calls, touched = [], []
     for c in range(CALLS):
@@ -85,9 +89,11 @@ def bench(name, e, top_k, h, i, n_shared, fp8, copy) -> dict:
             x, routed[0], routed[1], weights, ids, *routed[2:], shared_out=shared_out, x_act=x_act
         )
 
-    def inside(x, x_act, weights, ids, layer):
+    def inside(x, x_act, weights, ids, layer, config=None):
         routed, _, sh = layer
-        return M.fused_moe(x, routed[0], routed[1], weights, ids, *routed[2:], x_act=x_act, shared=sh)
+        return M.fused_moe(
+            x, routed[0], routed[1], weights, ids, *routed[2:], x_act=x_act, shared=sh, config=config
+        )
 
     res = {"shape": name, "E": e, "top_k": top_k, "H": h, "I": i, "n_shared": n_shared, "fp8": fp8}
     res["read_MB"] = moved / 1e6
@@ -98,7 +104,22 @@ def bench(name, e, top_k, h, i, n_shared, fp8, copy) -> dict:
         res[label] = {"us": us, "frac_of_copy": moved / us / 1e3 / copy, "launches": launches(fn, calls[0])}
     a, b = outs["apart"].float(), outs["inside"].float()
     res["rel_err_inside_vs_apart"] = ((a - b).norm() / a.norm()).item()
+    if configs:
+        res["inside_sweep"] = sorted(
+            (row for cfg in sweep(1, top_k, e) if (row := timed(inside, cfg, calls, moved, copy))),
+            key=lambda r: r["us"],
+        )
     return res
+
+
+def timed(fn, cfg, calls, moved: float, copy: float) -> dict | None:
+    """fn under decode config cfg: us per call and fraction of copy, or None where it fails."""
+    try:
+        us = graph_us([lambda a=a: fn(*a, config=cfg) for a in calls])
+    except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the sweep
+        print(f"  {cfg} FAILED {exc!r}"[:300], file=sys.stderr)
+        return None
+    return {"config": dataclasses.asdict(cfg), "us": us, "frac_of_copy": moved / us / 1e3 / copy}
 
 
 def launches(fn, args) -> int:
@@ -123,11 +144,16 @@ def line(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None, help="JSON results")
+    ap.add_argument("--sweep", action="store_true", help="also time 'inside' under each decode config")
     args = ap.parse_args()
     copy = copy_gbps()
-    results = [bench(*shape, fp8, copy) for shape in SHAPES for fp8 in (True, False)]
+    results = [bench(*shape, fp8, copy, args.sweep) for shape in SHAPES for fp8 in (True, False)]
     print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}")
     print("\n".join(line(r) for r in results))
+    for r in results:
+        for row in r.get("inside_sweep", [])[:3]:
+            print(f"  {r['shape']:8s} {'fp8 ' if r['fp8'] else 'bf16'} {row['us']:6.1f} us "
+                  f"{row['frac_of_copy']:.2f} {row['config']}")  # fmt: skip
     if args.out:
         args.out.write_text(
             json.dumps({"bench": "moe_shared", "copy_GBps": copy, "results": results}, indent=1)

@@ -2,7 +2,9 @@
 # `--tp 2` against one GPU on a 2xH200 machine (device tool, kind nvidia-h200-x2): the real-shape
 # V2-Lite synthetic compiled bf16 at tp=1 and tp=2, each measured in process by `mlac bench` with
 # CUDA graphs (NCCL all-reduces inside the graphs). Env: GLOO_TOO=1 also benches tp2 with its steps sent
-# over gloo (MLAC_STEP_CHANNEL=gloo) instead of the shared-memory channel. $OUT: bench_tp*.json, log.txt.
+# over gloo (MLAC_STEP_CHANNEL=gloo) instead of the shared-memory channel; OVERLAP_TOO=1 runs the 2-GPU test of
+# multi-rank overlap scheduling and benches tp2 with it (MLAC_MULTIRANK_OVERLAP=1, bench_tp2_overlap.json).
+# $OUT: bench_tp*.json, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
 python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 || { tail -5 $W/synth.log; exit 1; }; stamp synth
@@ -17,4 +19,9 @@ $B $W/tp1 --json "$OUT/bench_tp1.json"; stamp "bench tp1 rc=$?"
 $B $W/tp2 --json "$OUT/bench_tp2.json"; stamp "bench tp2 rc=$?"
 if [ -n "${GLOO_TOO:-}" ]; then
   MLAC_STEP_CHANNEL=gloo $B $W/tp2 --json "$OUT/bench_tp2_gloo.json"; stamp "bench tp2 over gloo rc=$?"
+fi
+if [ -n "${OVERLAP_TOO:-}" ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_overlap_multirank_gpu.py 2>&1 | tail -3
+  stamp "multi-rank overlap gpu test"
+  MLAC_MULTIRANK_OVERLAP=1 $B $W/tp2 --json "$OUT/bench_tp2_overlap.json"; stamp "bench tp2 with overlap rc=$?"
 fi
