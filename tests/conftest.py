@@ -54,3 +54,20 @@ def artifact(tmp_path_factory, checkpoint):
         return made[key]
 
     return get
+
+
+@pytest.fixture
+def steady(monkeypatch) -> list[bool]:
+    """Overlap scheduling's landed flights: for each, whether the next step was already in flight
+    (the steady state). Used by the overlap tests, one rank and several."""
+    import mlac.runtime.overlap as overlap_mod
+
+    seen: list[bool] = []
+    land = overlap_mod.Overlap.land
+
+    def spy(sched, flight):
+        seen.append(sched.overlap.flight is not None and sched.overlap.flight is not flight)
+        return land(sched, flight)
+
+    monkeypatch.setattr(overlap_mod.Overlap, "land", staticmethod(spy))
+    return seen

@@ -35,20 +35,6 @@ def prompts(n: int, start: int = 7) -> list[list[int]]:
     return [list(range(start + i, start + i + 2 + 3 * i)) for i in range(n)]
 
 
-@pytest.fixture
-def steady(monkeypatch) -> list[bool]:
-    """For each landed flight: whether the next step was already in flight (the steady state)."""
-    seen: list[bool] = []
-    land = overlap_mod.Overlap.land
-
-    def spy(sched, flight):
-        seen.append(sched.overlap.flight is not None and sched.overlap.flight is not flight)
-        return land(sched, flight)
-
-    monkeypatch.setattr(overlap_mod.Overlap, "land", staticmethod(spy))
-    return seen
-
-
 def run(engine: Engine, reqs, overlap: bool, arrive=None, abort=None, **config):
     """Run `reqs` [(prompt, SamplingParams)] through a fresh scheduler: request i is added before
     step `arrive[i]` (default 0), request j is aborted before step k for each (j, k) in `abort`.

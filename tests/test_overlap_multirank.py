@@ -51,20 +51,6 @@ def engine(request, tp2):
 
 
 @pytest.fixture
-def steady(monkeypatch) -> list[bool]:
-    """For each landed flight: whether the next step was already in flight (test_overlap's)."""
-    seen: list[bool] = []
-    land = overlap_mod.Overlap.land
-
-    def spy(sched, flight):
-        seen.append(sched.overlap.flight is not None and sched.overlap.flight is not flight)
-        return land(sched, flight)
-
-    monkeypatch.setattr(overlap_mod.Overlap, "land", staticmethod(spy))
-    return seen
-
-
-@pytest.fixture
 def fed(monkeypatch) -> list[int]:
     """The batch size of every step rank 0 sent as a fed step (ids from its device)."""
     sizes: list[int] = []
@@ -180,8 +166,6 @@ def test_multi_rank_overlap_is_on_by_default_only_when_asked(monkeypatch):
     """Not yet run on GPUs: where the config does not say, a multi-rank runner on CUDA overlaps only
     with MLAC_MULTIRANK_OVERLAP=1 (MULTIRANK_BY_DEFAULT); one rank on CUDA does; CPU does not."""
     import types
-
-    import mlac.runtime.overlap as overlap_mod
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     one = types.SimpleNamespace(device=cuda)
