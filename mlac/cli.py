@@ -76,6 +76,20 @@ def _overlap_option(fn):
                         "after the step, not while the device runs the next one.")(fn)  # fmt: skip
 
 
+def _early_launch(out_dir):
+    """A multi-rank artifact's other ranks on this node, spawned before the command imports torch
+    (they import it meanwhile, as under `serve`): the LaunchSpec that hands them their work to
+    Engine.from_artifact, or None (one rank, or a manifest the load will refuse). Ranks never handed
+    their work (bad input, a failed load) are stopped when the command ends."""
+    from mlac.runtime.world import LaunchSpec, start_node_ranks  # (no torch)
+
+    ranks = start_node_ranks(out_dir)
+    if ranks is None:
+        return None
+    click.get_current_context().call_on_close(ranks.close)  # a no-op once they were handed over
+    return LaunchSpec(ranks=ranks)
+
+
 def _overlap(disabled: bool) -> bool | None:
     """SchedulerConfig.overlap of --disable-overlap-schedule: False, else None (on CUDA)."""
     return False if disabled else None
@@ -342,6 +356,7 @@ def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_
              device, dtype, no_verify, cuda_graph, cuda_graph_max_bs, require_prepared, gpu_memory_utilization, max_model_len,
              speculative_algorithm, speculative_num_steps, disable_overlap_schedule):  # fmt: skip
     """Load an artifact and print a completion of --prompt."""
+    launch = _early_launch(out_dir)
     import torch
 
     from mlac.runtime.constrain import GrammarSpec, InvalidGrammar
@@ -357,7 +372,9 @@ def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_
     engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
                                   verify=not no_verify, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                                   max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                                  kernel_cache=_cache_mode(require_prepared), scheduler_config=sched)  # fmt: skip
+                                  kernel_cache=_cache_mode(require_prepared), scheduler_config=sched,
+                                  launch=launch)  # fmt: skip
+    click.get_current_context().call_on_close(engine.close)  # and a multi-rank artifact's other ranks
     if chat_template is not None:
         engine.tokenizer.use_chat_template(chat_template)
     if chat:  # ids, not text: the template wrote bos, and encoding its text would add a second one
@@ -418,6 +435,7 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
     \b
       mlac bench out/ --batch-sizes 1,32,256 --input-len 64 --output-len 64 --json bench.json
     """
+    launch = _early_launch(out_dir)
     import torch
 
     from mlac import bench as b
@@ -438,7 +456,7 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
                                   num_blocks=num_blocks, scheduler_config=sched, cuda_graph=cuda_graph,
                                   cuda_graph_max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
                                   gpu_memory_utilization=gpu_memory_utilization,
-                                  kernel_cache=_cache_mode(require_prepared))  # fmt: skip
+                                  kernel_cache=_cache_mode(require_prepared), launch=launch)  # fmt: skip
     with engine:
         bandwidth, results = b.bench(engine, sizes, input_len, output_len, progress=_log)
         click.echo(b.table(bandwidth, results))
@@ -491,6 +509,7 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
     \b
       mlac eval out/ --text held_out.txt --context-len 1024 --stride 512 --json ppl.json
     """
+    launch = _early_launch(out_dir)
     import torch
 
     from mlac import evaluate as ev
@@ -502,7 +521,7 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
     engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
                                   verify=not no_verify, cuda_graph=False, max_model_len=max_model_len,
                                   gpu_memory_utilization=gpu_memory_utilization,
-                                  kernel_cache=_cache_mode(require_prepared))  # fmt: skip
+                                  kernel_cache=_cache_mode(require_prepared), launch=launch)  # fmt: skip
     with engine:
         ids, n_bytes = ev.encode_text(engine, text, max_tokens)
         if context_len is None:

@@ -250,3 +250,45 @@ def test_the_startup_line_gives_the_wait_for_the_ranks():
     assert "ranks met" not in startup_line(s, verified=True, kv_dtype="bf16")
     line = startup_line(dict(s, ranks_met_s=0.04), verified=True, kv_dtype="bf16")
     assert line.startswith("ready in 9.8 s: import 1.2 s, ranks met 0.0 s, verify+load 3.1 s")
+
+
+# ---- the other commands -----------------------------------------------------------------------
+
+
+def _spy_early_spawns(monkeypatch) -> list:
+    """NodeRanks (or None) of each world.start_node_ranks call the CLI makes."""
+    import mlac.runtime.world as world
+
+    seen, real = [], world.start_node_ranks
+    monkeypatch.setattr(world, "start_node_ranks", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    return seen
+
+
+def test_generate_starts_the_ranks_early_and_gives_the_one_rank_tokens(tp2, tp1, monkeypatch):
+    """`mlac generate` (like bench and eval) spawns rank 1 before it imports torch and hands it its
+    work: greedy text equal to the 1-rank artifact's."""
+    from click.testing import CliRunner
+
+    from mlac.cli import main
+
+    seen = _spy_early_spawns(monkeypatch)
+    args = ["--prompt", "hello", "--max-tokens", "6", "--temperature", "0", "--dtype", "float32", "--device", "cpu"]
+    two = CliRunner().invoke(main, ["generate", str(tp2), *args])
+    assert two.exit_code == 0, two.output
+    assert len(seen) == 1 and seen[0] is not None and seen[0].procs == {}  # spawned, then handed over
+    one = CliRunner().invoke(main, ["generate", str(tp1), *args])
+    assert one.exit_code == 0 and seen[1] is None  # one rank: nothing spawned
+    assert two.output == one.output
+
+
+def test_bad_input_stops_the_ranks_spawned_early(tp2, monkeypatch):
+    """Refused before the load (a one-line error): the ranks it spawned never get work and are stopped
+    (the autouse check: nothing outlives the test)."""
+    from click.testing import CliRunner
+
+    from mlac.cli import main
+
+    seen = _spy_early_spawns(monkeypatch)
+    result = CliRunner().invoke(main, ["bench", str(tp2), "--batch-sizes", "one", "--device", "cpu"])
+    assert result.exit_code != 0 and "--batch-sizes 'one'" in result.output
+    assert len(seen) == 1 and seen[0] is not None and seen[0].procs == {}  # closed by the command's end
