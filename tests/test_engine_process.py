@@ -323,6 +323,7 @@ def test_a_two_rank_artifact_runs_its_ranks_under_the_engine_process(art, tmp_pa
     """Rank 0 is the engine's process; it spawns rank 1 as it does on a thread. Same tokens as one
     rank; nothing outlives the server."""
     import psutil
+    from _procs import spawned
 
     from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import compile_checkpoint
@@ -332,16 +333,6 @@ def test_a_two_rank_artifact_runs_its_ranks_under_the_engine_process(art, tmp_pa
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
     compile_checkpoint(ckpt, tp2, CompileOptions(tp=2, accuracy_check=False))
     compile_checkpoint(ckpt, tp1, CompileOptions(accuracy_check=False))
-
-    def spawned() -> set[int]:  # live processes of multiprocessing's spawn (not its resource tracker)
-        live = set()
-        for p in psutil.Process().children(recursive=True):
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
-                    live.add(p.pid)
-            except psutil.NoSuchProcess:
-                pass
-        return live
 
     before = spawned()
     with ServerThread(config(tp2, num_blocks=64)) as srv:

@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _cli import invoke, one_line_error
+from _procs import spawned
 
 from mlac.artifact import CompileOptions, ParallelPlan
 from mlac.compiler.pipeline import compile_checkpoint
@@ -32,19 +34,6 @@ from mlac.runtime.world import LaunchSpec, plan_world, start_node_ranks
 
 CACHE = {"num_blocks": 32, "block_size": 16}
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-
-
-def spawned(root: psutil.Process | None = None) -> set[int]:
-    """Live processes that multiprocessing spawned under `root` (default: this process), not its
-    resource tracker."""
-    live = set()
-    for p in (root or psutil.Process()).children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
-                live.add(p.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return live
 
 
 @pytest.fixture(autouse=True)
@@ -267,16 +256,12 @@ def _spy_early_spawns(monkeypatch) -> list:
 def test_generate_starts_the_ranks_early_and_gives_the_one_rank_tokens(tp2, tp1, monkeypatch):
     """`mlac generate` (like bench and eval) spawns rank 1 before it imports torch and hands it its
     work: greedy text equal to the 1-rank artifact's."""
-    from click.testing import CliRunner
-
-    from mlac.cli import main
-
     seen = _spy_early_spawns(monkeypatch)
     args = ["--prompt", "hello", "--max-tokens", "6", "--temperature", "0", "--dtype", "float32", "--device", "cpu"]
-    two = CliRunner().invoke(main, ["generate", str(tp2), *args])
+    two = invoke("generate", tp2, *args)
     assert two.exit_code == 0, two.output
     assert len(seen) == 1 and seen[0] is not None and seen[0].procs == {}  # spawned, then handed over
-    one = CliRunner().invoke(main, ["generate", str(tp1), *args])
+    one = invoke("generate", tp1, *args)
     assert one.exit_code == 0 and seen[1] is None  # one rank: nothing spawned
     assert two.output == one.output
 
@@ -284,11 +269,6 @@ def test_generate_starts_the_ranks_early_and_gives_the_one_rank_tokens(tp2, tp1,
 def test_bad_input_stops_the_ranks_spawned_early(tp2, monkeypatch):
     """Refused before the load (a one-line error): the ranks it spawned never get work and are stopped
     (the autouse check: nothing outlives the test)."""
-    from click.testing import CliRunner
-
-    from mlac.cli import main
-
     seen = _spy_early_spawns(monkeypatch)
-    result = CliRunner().invoke(main, ["bench", str(tp2), "--batch-sizes", "one", "--device", "cpu"])
-    assert result.exit_code != 0 and "--batch-sizes 'one'" in result.output
+    one_line_error(invoke("bench", tp2, "--batch-sizes", "one", "--device", "cpu"), "--batch-sizes 'one'")
     assert len(seen) == 1 and seen[0] is not None and seen[0].procs == {}  # closed by the command's end

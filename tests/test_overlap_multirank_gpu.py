@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_overlap import prompts, run
+from test_overlap import assert_graph_tokens_with_overlap
 
 from mlac.artifact import CompileOptions
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.runtime import overlap as overlap_mod
 from mlac.runtime import runner as runner_mod
 from mlac.runtime.engine import Engine
-from mlac.runtime.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,10 +30,5 @@ def test_cuda_graphs_give_the_same_greedy_tokens_with_overlap(checkpoint, tmp_pa
     monkeypatch.setattr(overlap_mod, "MULTIRANK_BY_DEFAULT", True)
     with Engine.from_artifact(out, device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=512,
                               cuda_graph_max_bs=32) as engine:  # fmt: skip
-        assert engine.runner.graphs is not None and engine.scheduler().overlap is not None
-        for batch in (1, 3, 17):
-            reqs = [(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts(batch)]
-            plain = run(engine, reqs, False, prefix_cache=False)
-            over = run(engine, reqs, True, prefix_cache=False)
-            assert [o[:2] for o in over] == [p[:2] for p in plain], f"batch {batch}"
+        assert_graph_tokens_with_overlap(engine)
     assert fed
