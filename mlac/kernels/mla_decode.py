@@ -490,6 +490,7 @@ def mla_decode(
     out: torch.Tensor | None = None,
     use_triton: bool | None = None,
     merge: bool = True,
+    num_splits: int | None = None,
 ):
     """Absorbed MLA decode over a paged latent cache.
 
@@ -502,11 +503,12 @@ def mla_decode(
     reference on CPU.
     `merge=False` (no lse): where the Triton path splits the sequences (num_splits > 1, fixed by
     static sizes), it returns the unmerged `SplitKV` instead of o_lat, for head_bmm to merge.
+    `num_splits`: the Triton path's split count when the caller has it (`decode_num_splits`).
     """
     if _use_triton(q_nope_lat, use_triton):
         return mla_decode_triton(
             q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, return_lse,
-            out=out, merge=merge,
+            num_splits=num_splits, out=out, merge=merge,
         )  # fmt: skip
     o, lse = mla_decode_ref(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale)
     if out is not None:

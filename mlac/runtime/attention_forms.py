@@ -120,8 +120,11 @@ def decode_absorbed(
     `Fp8Act` instead: the bits o_proj's own act_quant would give (made by head_bmm when
     FUSED_MLA_OUT and v % 128 == 0, else o_proj quantizes the tensor returned)."""
     q_lat = head_bmm(q_nope, w_kc)  # [B, H, C] contiguous
-    fuse_merge = FUSED_MLA_OUT and decode_num_splits(q_lat, kv_cache, block_tables) <= FUSED_MERGE_MAX_SPLITS
-    o_lat = mla_decode(q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale, merge=not fuse_merge)
+    splits = decode_num_splits(q_lat, kv_cache, block_tables)
+    fuse_merge = FUSED_MLA_OUT and splits <= FUSED_MERGE_MAX_SPLITS
+    o_lat = mla_decode(
+        q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale, merge=not fuse_merge, num_splits=splits
+    )
     quant_out = quant_out and FUSED_MLA_OUT and w_vc.shape[-1] % BLOCK == 0
     o = head_bmm(o_lat, w_vc, quant_out=quant_out)  # [B, H, v] (o_lat may be SplitKV partials)
     return o if quant_out else o.flatten(1)
