@@ -69,12 +69,13 @@ class FrontEngine:
         self._seq_ids = itertools.count()
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """A string is encoded with bos prepended; token ids are taken as they are."""
+        """A string is encoded with bos prepended; token ids (ints: the routes' bodies are validated)
+        are taken as they are, in a new list."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise MlacError("this engine has no tokenizer: pass token ids")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return list(prompt)  # NOTE: not int() each: 0.1 ms per 2,000 ids, twice per request
 
     def new_sequence(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """A validated request (Engine.new_sequence's checks: MlacError, InvalidGrammar)."""
