@@ -1,7 +1,7 @@
 """The fixed host and HTTP cost of one request's time to first token, on CPU with a tiny artifact.
 
     OMP_NUM_THREADS=1 python benchmarks/ttft_overhead.py --json out.json --label after \
-        [--artifact ART] [--requests 200] [--prompt-len 16] [--trace]
+        [--artifact ART] [--requests 200] [--prompt-len 16] [--prefix-len 0] [--trace]
 
 One request at a time, each a prompt of `--prompt-len` random token ids never sent before (every
 one is a cold prefill of the same length), `max_tokens` 1, temperature 0:
@@ -357,6 +357,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--artifact", type=Path, default=None, help="default: a tiny-v3 artifact built now")
     ap.add_argument("--requests", type=int, default=200, help="per phase (HTTP: half streaming)")
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=0, help="ids every prompt starts with (cached)")
     ap.add_argument("--warm", type=int, default=10, help="first requests of a phase not counted")
     ap.add_argument("--trace", action="store_true", help="also the per-hop breakdown (a second server)")
     return ap.parse_args()
@@ -373,12 +374,16 @@ def main() -> None:
         art = args.artifact or tiny_artifact(Path(tmp))
         vocab = json.loads((art / "manifest.json").read_text())["model"]["vocab_size"]
         rng = random.Random(0)
-        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+        shared = [rng.randrange(3, vocab) for _ in range(args.prefix_len)]
+        prompts = [
+            shared + [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)
+        ]
         step = in_process(art, prompts, args.warm)
         print(f"in process: {step}", flush=True)
         http = over_http(art, prompts, args.warm, Path(tmp))
         print(f"over HTTP: {http}", flush=True)
-        result = {"requests": args.requests, "prompt_len": args.prompt_len, "cpus": os.cpu_count(),
+        result = {"requests": args.requests, "prompt_len": args.prompt_len, "prefix_len": args.prefix_len,
+                  "cpus": os.cpu_count(),
                   "in_process_step": step, "over_http": http,
                   "overhead_ms_p50": {k: round(v["p50_ms"] - step["p50_ms"], 3) for k, v in http.items()}}  # fmt: skip
         if args.trace:
