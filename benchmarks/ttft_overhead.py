@@ -49,7 +49,7 @@ STAMPS = [
     ("client_send", ""),
     ("asgi_in", "client -> uvicorn -> ASGI app (HTTP parse)"),
     ("body_read", "FastAPI routing, auth dependency, body read + json.loads"),
-    ("submit", "pydantic parse, tokenize + build Request (worker thread), Submission"),
+    ("submit", "pydantic parse, tokenize + build Request (inline, or a worker thread), Submission"),
     ("child_add", "pickle + pipe to the engine process, its receiving thread"),
     ("step_start", "receiving thread -> engine thread (inbox), scheduler.add"),
     ("step_end", "scheduler.step (the model step: prefill + sample + detokenize)"),
