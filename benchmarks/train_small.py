@@ -13,9 +13,9 @@ each step it moves by BIAS_SPEED against each expert's load error.
 
 `micro` runs on a 2-core CPU in seconds (the CPU test trains it); `small` is the one-GPU,
 five-minute model; `deep` is as deep as V2-Lite (27 layers, d 256), so that its MTP draft costs a
-real DeepSeek model's share of a decode step (speculative decoding's measurement). The clock (--minutes) stops training; the pace of steps 5..15 plans how many
-steps fit, and the LR schedule ends there (train_report's steps_planned: with `--steps` set to
-it, a run repeats exactly). AdamW, float32 on CPU, bf16 autocast on CUDA; fixed seed and data order.
+real DeepSeek model's share of a decode step (speculative decoding's measurement). The clock
+(--minutes) stops training; the pace of steps 5..15 plans how many steps fit, and the LR schedule
+ends there (train_report's steps_planned: with `--steps` set to it, a run repeats exactly). AdamW, float32 on CPU, bf16 autocast on CUDA; fixed seed and data order.
 OUT_DIR gets config.json, model.safetensors (the MTP layer at index num_hidden_layers, bf16, or
 FP8 with --fp8), tokenizer.json, tokenizer_config.json (chat template), generation_config.json,
 and train_report.json (parameters, steps, tokens, seconds, losses, held-out perplexity against

@@ -57,4 +57,5 @@ def test_deep_compiles_with_mtp_and_generates(trained, tmp_path):
     plain = invoke(*args)
     spec = invoke(*args, "--speculative-num-steps", "2")
     assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert "completion tokens" in plain.output
     assert spec.output == plain.output  # greedy: the drafts change the speed, never the tokens
