@@ -11,6 +11,12 @@ heads with one matrix product:
 Long sequences are split into `num_splits` chunks computed in parallel (split-KV) and merged by
 log-sum-exp: by a merge kernel, or (`merge=False`) by the consumer of o_lat while it loads it
 (`SplitKV`: head_bmm's v-absorb merges the partials in its x load, one launch fewer).
+Rows of one sequence (a flattened extend or a speculative verify: consecutive rows, one block
+table, seq_lens rising by one per row) may run grouped (`row_groups`): one program takes up to
+ROWS of them, its dots' M is rows x heads, and each KV tile is loaded once for all of them (per
+row, a prefix of 2,000 tokens was read once per row); each row keeps its own causal limit. The
+group's longest row sets its split partition, which the merge then uses per row (SplitKV.seq_lens).
+`prefer_row_groups` is the rule between the forms (pure decode stays per-row).
 FP8 caches (e4m3 / e5m2) carry one float32 scale per tensor (value = stored * scale); their
 tiles are widened to fp16 and q is cast to fp16 for the dots (|q| must stay below 65504).
 `mla_decode` dispatches: Triton on CUDA, the reference on CPU. Measured on an H200:
