@@ -172,20 +172,21 @@ if triton is not None:
         b = tl.program_id(1)
         pid_s = tl.program_id(2)
 
-        offs_m = tl.arange(0, ROWS * BLOCK_H)  # [M]: (row, head) pairs
-        offs_h = pid_h * BLOCK_H + offs_m % BLOCK_H
-        mask_h = offs_h < H
         if GROUPED:
             n_rows = tl.load(groups + b)  # 0: row b belongs to an earlier row's group
             if n_rows == 0:
                 return
             kv_len = tl.load(groups + stride_g + b)
+            offs_m = tl.arange(0, ROWS * BLOCK_H)  # [M]: (row, head) pairs
+            offs_h = pid_h * BLOCK_H + offs_m % BLOCK_H
             row_m = b + offs_m // BLOCK_H  # [M] the row of each (row, head) pair
-            mask_h = mask_h & (offs_m // BLOCK_H < n_rows)
+            mask_h = (offs_h < H) & (offs_m // BLOCK_H < n_rows)
             row_len = tl.load(seq_lens + row_m, mask=mask_h, other=0)  # [M] each row's own length
             rows = row_m[:, None]  # [M, 1]
-        else:
+        else:  # M = BLOCK_H: one row
             kv_len = tl.load(seq_lens + b)
+            offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
             row_m = b
             rows = b
         used = _used_splits(kv_len, num_splits, MIN_SPLIT)
