@@ -128,7 +128,7 @@ class MLAttention(nn.Module):
         kv, kv_scale = cache.layers[self.layer], cache.kv_scale(self.layer)  # [blocks, block_size, C + R]
         return decode_absorbed(
             q_nope, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale, kv_scale,
-            self.w_kc, self.w_vc, quant_out=self.wo.fp8,
+            self.w_kc, self.w_vc, quant_out=self.wo.fp8, row_groups=batch.row_groups,
         )  # fmt: skip
 
     def extend(
