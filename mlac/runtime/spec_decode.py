@@ -69,6 +69,9 @@ class Draft:
     probs: torch.Tensor | None  # [V] the distribution d_0 was drawn from (None: greedy)
 
 
+GREEDY = Draft(None, None)  # every greedy sequence's Draft (its d_0 is on the device); never changed
+
+
 @dataclass
 class SpecStats:
     """Counters for /metrics: accepted tokens per verify = (emitted) / (verifies)."""
@@ -188,10 +191,27 @@ class SpecDecoder:
         want_logits = any(s.params.logprobs is not None for s, _ in plan)
         found, top, logits, refreshed = self.exec.chain([s.seq_id for s, _ in plan], ks, base, self.num_steps,
                                                         want_logits)  # fmt: skip
+        if refreshed:
+            return self._land_chain(sched, plan, found, top)
         drafts = {s.seq_id: (d, [None] * len(d)) for (s, _), d in zip(plan, found, strict=True)}
         starts = [0, *itertools.accumulate(k + 1 for k in ks)]
         where = list(itertools.pairwise(starts))
         return self._finish(sched, plan, drafts, starts, where, logits, top, True, refreshed)
+
+    def _land_chain(self, sched, plan: list, found: list[list[int]], top: list[int]) -> list:
+        """`_finish` of a one-replay chain step (every sequence greedy, K drafts, refreshed on the
+        device): per sequence its acceptance, appends and roll-back; the books only when a sequence
+        left (in the steady state every Draft stays as it is, on the device)."""
+        k1, news = self.num_steps + 1, []
+        for j, (s, _) in enumerate(plan):
+            self._verify(sched, s, None, top[j * k1 : (j + 1) * k1], found[j], ())
+            news.append(s)
+        gone = [s for s in news if s.finished]
+        for s in gone:
+            sched._release(s)
+        if gone or len(self.drafts) != len(plan):  # else: the same sequences keep the same Drafts
+            self._refresh([(s, 0, 0, 1) for s in news if not s.finished], sched, True, True)
+        return news
 
     def _finish(
         self,
@@ -304,7 +324,7 @@ class SpecDecoder:
             self._roll_back(seq)
             return 1
         if seq.params.greedy:
-            emitted = accept_greedy(drafts, top)
+            emitted = accept_greedy(drafts, top)  # (logits: None in a chain step, without logprobs)
         else:
             p = filtered_probs(logits, [seq.params] * len(top))
             q = torch.stack(probs) if drafts else p[:0]
@@ -364,7 +384,7 @@ class SpecDecoder:
                 self.drafts[s.seq_id] = Draft(t, q)
         for s, _ in ready:
             if s.params.greedy:
-                self.drafts[s.seq_id] = Draft(None, None)
+                self.drafts[s.seq_id] = GREEDY
         live = {s.seq_id for s in sched.running if s.decoding}
         self.drafts = {i: d for i, d in self.drafts.items() if i in live}
         ids = sorted(self.drafts)
