@@ -52,6 +52,7 @@ import torch
 from mlac.errors import MlacError
 from mlac.runtime.sampling import token_logprobs
 from mlac.runtime.spec_exec import to_host
+from mlac.runtime.spec_overlap import SpecOverlap
 from mlac.runtime.spec_sampling import accept_greedy, accept_sampled, draw, filtered_probs
 from mlac.runtime.step import Step
 
@@ -136,7 +137,7 @@ class SpecDecoder:
     The host side: which tokens, which rows, what is accepted; the device work goes through the
     runner's SpecExecutor (spec_exec.py), on every rank."""
 
-    def __init__(self, runner, num_steps: int):
+    def __init__(self, runner, num_steps: int, overlap: bool = False):
         cache, model = runner.cache, runner.model
         check_spec(num_steps, len(model.mtp) > 0)
         if cache.extra_layers < 1:
@@ -146,6 +147,9 @@ class SpecDecoder:
         self.exec.prepare(num_steps)
         self.drafts: dict[int, Draft] = {}  # by seq_id
         self.stats = SpecStats()
+        # greedy chain steps launched one ahead (spec_overlap.py): one rank only
+        self.overlap = SpecOverlap(self) if overlap and self.exec.send is None else None
+        self.ahead = 0  # tokens past each sequence's end that a step in flight writes (kept at roll-back)
 
     def num_drafts(self, seq, max_context: int) -> int:
         """Drafts to verify for decoding `seq`: K, fewer near its context or max_tokens end; none
@@ -189,27 +193,32 @@ class SpecDecoder:
         base = Step.of([[s.output_ids[-1]] for s, _ in plan], [s.num_computed for s, _ in plan],
                        [s.block_table for s, _ in plan])  # fmt: skip
         want_logits = any(s.params.logprobs is not None for s, _ in plan)
+        if self.overlap is not None and not want_logits and all(k == self.num_steps for k in ks):
+            if self.overlap.start(plan):
+                return []  # its news come with the next step
         found, top, logits, refreshed = self.exec.chain([s.seq_id for s, _ in plan], ks, base, self.num_steps,
                                                         want_logits)  # fmt: skip
         if refreshed:
-            return self._land_chain(sched, plan, found, top)
+            return self._land_chain(sched, [s for s, _ in plan], found, top)
         drafts = {s.seq_id: (d, [None] * len(d)) for (s, _), d in zip(plan, found, strict=True)}
         starts = [0, *itertools.accumulate(k + 1 for k in ks)]
         where = list(itertools.pairwise(starts))
         return self._finish(sched, plan, drafts, starts, where, logits, top, True, refreshed)
 
-    def _land_chain(self, sched, plan: list, found: list[list[int]], top: list[int]) -> list:
-        """`_finish` of a one-replay chain step (every sequence greedy, K drafts, refreshed on the
-        device): per sequence its acceptance, appends and roll-back; the books only when a sequence
-        left (in the steady state every Draft stays as it is, on the device)."""
+    def _land_chain(self, sched, seqs: list, found: list[list[int]], top: list[int]) -> list:
+        """`_finish` of a one-replay chain step of `seqs` (every one greedy, K drafts, refreshed on
+        the device): per sequence its acceptance, appends and roll-back; the books only when a
+        sequence left (in the steady state every Draft stays as it is, on the device). A sequence
+        that finished meanwhile (overlap: at the step before) drops its rows."""
         k1, news = self.num_steps + 1, []
-        for j, (s, _) in enumerate(plan):
-            self._verify(sched, s, None, top[j * k1 : (j + 1) * k1], found[j], ())
-            news.append(s)
+        for j, s in enumerate(seqs):
+            if not s.finished:
+                self._verify(sched, s, None, top[j * k1 : (j + 1) * k1], found[j], ())
+                news.append(s)
         gone = [s for s in news if s.finished]
         for s in gone:
             sched._release(s)
-        if gone or len(self.drafts) != len(plan):  # else: the same sequences keep the same Drafts
+        if gone or len(self.drafts) != len(news):  # else: the same sequences keep the same Drafts
             self._refresh([(s, 0, 0, 1) for s in news if not s.finished], sched, True, True)
         return news
 
@@ -353,8 +362,9 @@ class SpecDecoder:
         s.emitted += emitted
 
     def _roll_back(self, seq) -> None:
-        """Free the blocks past the sequence's tokens (those that held only rejected drafts)."""
-        keep = self.allocator.blocks_for(seq.num_tokens)
+        """Free the blocks past the sequence's tokens (those that held only rejected drafts), but
+        those of the `ahead` positions after them that a step in flight writes."""
+        keep = self.allocator.blocks_for(seq.num_tokens + self.ahead)
         if len(seq.block_table) > keep:
             self.allocator.free(seq.block_table[keep:])
             del seq.block_table[keep:]
