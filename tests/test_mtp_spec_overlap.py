@@ -117,3 +117,22 @@ def test_a_stop_token_in_flight_admission_and_abort(plain, artifact, monkeypatch
     assert got[1:3] == base[1:3] and got[4] == want_late
     assert got[3] == base[3][: len(got[3])] and len(got[3]) >= aborted["len"]
     assert sum(seen) >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_overlap_equals_the_synchronous_steps(artifact, monkeypatch):
+    """On a GPU (captured chains, pinned copies behind events): the same tokens with and without
+    overlap, at batch 1, 3 and 8 with different max_tokens, and steady steps among them."""
+    from test_mtp_spec import spec_engine
+
+    kw = dict(device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=256, cuda_graph_max_bs=32)
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 3, 8):
+        ps = [torch.randint(3, 200, (4 + 3 * i,), generator=g).tolist() for i in range(n)]
+        ps_params = [params(14 + 6 * i) for i in range(n)]
+        seen = follows(monkeypatch)
+        on, _ = generate(spec_engine(artifact("tiny-v3"), 3, sched={"overlap": True}, **kw), ps, ps_params)
+        off, _ = generate(spec_engine(artifact("tiny-v3"), 3, sched={"overlap": False}, **kw), ps, ps_params)
+        assert on == off and sum(seen) >= 2, f"batch {n}"
+        monkeypatch.undo()

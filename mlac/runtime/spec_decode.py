@@ -38,8 +38,10 @@ speculative step is K draft replays (K - 1 chained, one refresh), one verify rep
 sync (was K + 1 syncs). With CUDA graphs, when every sequence drafts K and none asks for
 logprobs, the whole of it (drafts, verify, acceptance, refresh) is ONE graph replay
 (spec_chain.py): the host writes one buffer, replays, reads one back, and here only appends the
-tokens and keeps the books (`_refresh` with `refreshed`). Sampled requests, grammars and steps
-with prefill chunks take the host-side flow above (a sync per draft step).
+tokens and keeps the books (`_land_chain`; `_refresh` only when a sequence left). With overlap
+scheduling (spec_overlap.py, one rank) the next such step is launched from this one's results on
+the device before the host lands them. Sampled requests, grammars and steps with prefill chunks
+take the host-side flow above (a sync per draft step).
 """
 
 from __future__ import annotations
