@@ -341,7 +341,8 @@ class SpecExecutor:
         lengths); None: they follow the last launch (the same sequences, in the same rows), which
         left theirs on the device. One rank only; None where `chain` would not run one replay."""
         graphs = self._chain_graphs(k, len(seq_ids)) if self.send is None else None
-        if graphs is None or (first is None and tuple(seq_ids) != self.resident):
+        follows = tuple(seq_ids) == self.resident and graphs is self.resident_in
+        if graphs is None or (first is None and not follows):
             return None
         if first is None:
             out = graphs.run_next(tables)
