@@ -79,6 +79,15 @@ def sweep(t: int, top_k: int, e: int) -> list[MD.MoeDecodeConfig]:
         (64, 32, 128, 4, 3, False),
         (128, 64, 128, 8, 4, False),
         (64, 16, 128, 4, 4, True),
+        (32, 16, 256, 4, 4, True),
+        (32, 16, 512, 4, 3, True),
+        (64, 16, 512, 8, 3, True),
+        (128, 32, 128, 4, 4, False),
+        (32, 64, 128, 4, 5, False),
+        (64, 64, 128, 4, 6, False),
+        (32, 32, 128, 4, 6, False),
+        (16, 32, 128, 4, 4, False),
+        (128, 128, 128, 8, 3, False),
     ]
     out = [MD.MoeDecodeConfig(n1, n2, k, 1, w, s, fuse_sum=f, dot=True) for n1, n2, k, w, s, f in dot]
     rows = [1] if t == 1 else [1, 2] if p <= e else [4, 2]

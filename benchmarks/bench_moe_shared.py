@@ -1,7 +1,7 @@
 """Benchmark: one MoE layer at batch 1 with its shared experts, apart (their own MLP) or inside the
 routed experts' decode launches (moe_decode.SharedExperts).
 
-    python benchmarks/bench_moe_shared.py [--out results.json] [--sweep]
+    python benchmarks/bench_moe_shared.py [--out results.json] [--sweep] [--shapes v2lite,v3slice]
 
 Shapes: V2-Lite (E=64, top-6, H=2048, I=1408, 2 shared experts) and a 32-expert slice of V3
 (H=7168, I=2048, top-8, 1 shared), bf16 and block-FP8, one token. "apart" is the model's path
@@ -106,20 +106,29 @@ def bench(name, e, top_k, h, i, n_shared, fp8, copy, configs: bool = False) -> d
     res["rel_err_inside_vs_apart"] = ((a - b).norm() / a.norm()).item()
     if configs:
         res["inside_sweep"] = sorted(
-            (row for cfg in sweep(1, top_k, e) if (row := timed(inside, cfg, calls, moved, copy))),
+            (row for cfg in sweep(1, top_k, e) if (row := timed(inside, cfg, calls, moved, copy, a))),
             key=lambda r: r["us"],
         )
     return res
 
 
-def timed(fn, cfg, calls, moved: float, copy: float) -> dict | None:
-    """fn under decode config cfg: us per call and fraction of copy, or None where it fails."""
+def timed(fn, cfg, calls, moved: float, copy: float, expected: torch.Tensor) -> dict | None:
+    """fn under decode config cfg: us per call and fraction of copy, or None where it fails or its
+    output of the first call is not `expected` (float32) within 2e-2 relative."""
     try:
+        err = ((fn(*calls[0], config=cfg).float() - expected).norm() / expected.norm()).item()
+        if not err < 2e-2:
+            raise ValueError(f"relative error {err:.1e}")
         us = graph_us([lambda a=a: fn(*a, config=cfg) for a in calls])
     except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the sweep
         print(f"  {cfg} FAILED {exc!r}"[:300], file=sys.stderr)
         return None
-    return {"config": dataclasses.asdict(cfg), "us": us, "frac_of_copy": moved / us / 1e3 / copy}
+    return {
+        "config": dataclasses.asdict(cfg),
+        "us": us,
+        "frac_of_copy": moved / us / 1e3 / copy,
+        "rel_err": err,
+    }
 
 
 def launches(fn, args) -> int:
@@ -145,9 +154,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None, help="JSON results")
     ap.add_argument("--sweep", action="store_true", help="also time 'inside' under each decode config")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated shape names")
     args = ap.parse_args()
     copy = copy_gbps()
-    results = [bench(*shape, fp8, copy, args.sweep) for shape in SHAPES for fp8 in (True, False)]
+    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    results = [bench(*shape, fp8, copy, args.sweep) for shape in shapes for fp8 in (True, False)]
     print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}")
     print("\n".join(line(r) for r in results))
     for r in results:

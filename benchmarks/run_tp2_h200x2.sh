@@ -3,7 +3,7 @@
 # V2-Lite synthetic compiled bf16 at tp=1 and tp=2, each measured in process by `mlac bench` with
 # CUDA graphs (NCCL all-reduces inside the graphs). Env: GLOO_TOO=1 also benches tp2 with its steps sent
 # over gloo (MLAC_STEP_CHANNEL=gloo) instead of the shared-memory channel; OVERLAP_TOO=1 runs the 2-GPU test of
-# multi-rank overlap scheduling and benches tp2 with it (MLAC_MULTIRANK_OVERLAP=1, bench_tp2_overlap.json).
+# multi-rank overlap scheduling and benches tp2 without it too (--disable-overlap-schedule, bench_tp2_no_overlap.json).
 # $OUT: bench_tp*.json, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
@@ -23,5 +23,5 @@ fi
 if [ -n "${OVERLAP_TOO:-}" ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_overlap_multirank_gpu.py 2>&1 | tail -3
   stamp "multi-rank overlap gpu test"
-  MLAC_MULTIRANK_OVERLAP=1 $B $W/tp2 --json "$OUT/bench_tp2_overlap.json"; stamp "bench tp2 with overlap rc=$?"
+  $B $W/tp2 --disable-overlap-schedule --json "$OUT/bench_tp2_no_overlap.json"; stamp "bench tp2 without overlap rc=$?"
 fi

@@ -69,8 +69,7 @@ def _speculative_options(fn):
 
 def _overlap_option(fn):
     """--disable-overlap-schedule (SGLang's name), of the commands that decode: overlap scheduling
-    (runtime/overlap.py) is on by default on CUDA (one rank; several with MLAC_MULTIRANK_OVERLAP=1; not
-    under DP attention)."""
+    (runtime/overlap.py) is on by default on CUDA (one rank or several; not under DP attention)."""
     return click.option("--disable-overlap-schedule", is_flag=True,
                         help="Run each decode step's host work (sampling's sync, detokenizing, stop checks) "
                         "after the step, not while the device runs the next one.")(fn)  # fmt: skip

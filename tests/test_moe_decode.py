@@ -287,8 +287,9 @@ def _with_chunks_as_experts(w13, w2, s13, s2, weights, ids, shared, n):
 
 
 FORMS = {  # the decode forms a MoeDecodeConfig selects
-    "cuda-sum": dec_mod.MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=True),  # FP8 default
-    "dot-reduce": dec_mod.MoeDecodeConfig(64, 64, 128, 1, num_warps=4, dot=True),  # bf16 default
+    "cuda-sum": dec_mod.MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=True),
+    "dot-sum": dec_mod.MoeDecodeConfig(64, 16, 512, 1, num_warps=8, num_stages=3, fuse_sum=True, dot=True),  # FP8
+    "dot-reduce": dec_mod.MoeDecodeConfig(64, 32, 128, 1, num_warps=4, num_stages=3, dot=True),  # bf16 default
     "cuda-reduce": dec_mod.MoeDecodeConfig(32, 32, 256, 2, num_warps=4),
 }
 SHARED_CASES = [  # T, E, top_k, D, I, shared chunks n, invalid pairs
@@ -585,3 +586,16 @@ def test_gpu_decode_in_cuda_graph(fp8, t):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, call())
+
+
+def test_config_override_replaces_the_picked_tiles(monkeypatch):
+    """MLAC_MOE_DECODE_CONFIG (JSON per weight kind) replaces the tiles of that kind only; unknown
+    fields are an error, not ignored."""
+    override = dec_mod.config_override('{"fp8": {"block_n1": 64, "block_n2": 16, "dot": true, "fuse_sum": true}}')
+    monkeypatch.setattr(dec_mod, "CONFIG_OVERRIDE", override)
+    picked = dec_mod.pick_moe_decode_config(6, 64, fp8=True)
+    assert picked == dec_mod.MoeDecodeConfig(64, 16, dot=True, fuse_sum=True)
+    assert dec_mod.pick_moe_decode_config(6, 64, fp8=False) == dec_mod.MoeDecodeConfig(64, 32, 128, 1, 4, 3, dot=True)
+    assert dec_mod.config_override(None) == {} and dec_mod.config_override("") == {}
+    with pytest.raises(TypeError):
+        dec_mod.config_override('{"fp8": {"block_q": 1}}')

@@ -162,16 +162,12 @@ def test_a_fed_step_message_round_trips():
     assert decode(encode_step(step)) == step
 
 
-def test_multi_rank_overlap_is_on_by_default_only_when_asked(monkeypatch):
-    """Not yet run on GPUs: where the config does not say, a multi-rank runner on CUDA overlaps only
-    with MLAC_MULTIRANK_OVERLAP=1 (MULTIRANK_BY_DEFAULT); one rank on CUDA does; CPU does not."""
+def test_overlap_is_on_by_default_on_cuda_for_one_rank_or_several():
+    """Where the config does not say, a runner on CUDA overlaps, one rank or a group of ranks (it
+    ran on 2xH200: tests/test_overlap_multirank_gpu.py); CPU does not."""
     import types
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    one = types.SimpleNamespace(device=cuda)
-    several = types.SimpleNamespace(device=cuda, group=object())
-    monkeypatch.setattr(overlap_mod, "MULTIRANK_BY_DEFAULT", False)
-    assert overlap_mod.on_by_default(one) and not overlap_mod.on_by_default(several)
+    assert overlap_mod.on_by_default(types.SimpleNamespace(device=cuda))
+    assert overlap_mod.on_by_default(types.SimpleNamespace(device=cuda, group=object()))
     assert not overlap_mod.on_by_default(types.SimpleNamespace(device=cpu))
-    monkeypatch.setattr(overlap_mod, "MULTIRANK_BY_DEFAULT", True)
-    assert overlap_mod.on_by_default(several)

@@ -9,7 +9,6 @@ from test_overlap import assert_graph_tokens_with_overlap
 
 from mlac.artifact import CompileOptions
 from mlac.compiler.pipeline import compile_checkpoint
-from mlac.runtime import overlap as overlap_mod
 from mlac.runtime import runner as runner_mod
 from mlac.runtime.engine import Engine
 
@@ -20,14 +19,13 @@ pytestmark = [
 
 
 def test_cuda_graphs_give_the_same_greedy_tokens_with_overlap(checkpoint, tmp_path, monkeypatch):
-    """Asked for on CUDA (MLAC_MULTIRANK_OVERLAP=1 makes it the default once this ran): greedy tokens identical to the serial scheduler's at batch sizes 1,
+    """On CUDA by default: greedy tokens identical to the serial scheduler's at batch sizes 1,
     3 and 17 (same max_tokens, no prefix cache: both runs replay the same buckets step by step),
     through fed steps."""
     out = tmp_path / "tiny-v2-lite-tp2"
     compile_checkpoint(checkpoint("tiny-v2-lite"), out, CompileOptions(tp=2, accuracy_check=False))
     fed, send = [], runner_mod.send_fed
     monkeypatch.setattr(runner_mod, "send_fed", lambda *a: fed.append(1) or send(*a))
-    monkeypatch.setattr(overlap_mod, "MULTIRANK_BY_DEFAULT", True)
     with Engine.from_artifact(out, device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=512,
                               cuda_graph_max_bs=32) as engine:  # fmt: skip
         assert_graph_tokens_with_overlap(engine)

@@ -28,11 +28,13 @@ chunk's GEMM2 output is rounded on its own): equal up to that, and to float32 su
 Launches per MoE layer: 2 (GEMM1, GEMM2 + sum: FP8) or 3 (GEMM1, GEMM2, moe.py's reduce: bf16), shared
 experts included, against the grouped path's 5 ([act_quant], moe_align, GEMM1, GEMM2, reduce) plus
 the shared MLP's 3. Switches, read at import, for A/B runs: MLAC_MOE_DECODE_KERNEL=0 sends every shape
-to the grouped path; MLAC_MOE_SHARED_FUSED=0 runs the shared experts as their own MLP.
+to the grouped path; MLAC_MOE_SHARED_FUSED=0 runs the shared experts as their own MLP;
+MLAC_MOE_DECODE_CONFIG replaces the tiles `pick_moe_decode_config` picks (see `config_override`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,9 +154,28 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     # one token's top-k (benchmarks/results/moe_decode_h200.json, V2-Lite shapes, 20 calls in a
     # CUDA graph): FP8 31.5 us against the grouped path's 37.5, bf16 33.3 against 38.1. From 4 tokens
     # on the grouped GEMMs won every measured shape (FP8 66.5 against 101.7 us at 4 tokens).
+    # The tiles: the fastest of the sweep with the shared experts inside (benchmarks/run_moe_sweep_h200.sh,
+    # results/moe_sweep_h200/): FP8 on tensor cores 32.0 us (51% of copy bandwidth) against 41.8 for the
+    # CUDA-core tiles before, and in the decode step 375.7 -> 414.1 tok/s at batch 1; bf16 42.9 against
+    # 44.4 us, 388.3 -> 393.3 tok/s.
     if fp8:
-        return MoeDecodeConfig(32, 16, 512, 1, num_warps=8, num_stages=2, fuse_sum=True, dot=False)
-    return MoeDecodeConfig(64, 64, 128, 1, num_warps=4, num_stages=4, fuse_sum=False, dot=True)
+        return CONFIG_OVERRIDE.get("fp8") or MoeDecodeConfig(
+            64, 16, 512, 1, num_warps=8, num_stages=3, fuse_sum=True, dot=True
+        )
+    return CONFIG_OVERRIDE.get("bf16") or MoeDecodeConfig(
+        64, 32, 128, 1, num_warps=4, num_stages=3, fuse_sum=False, dot=True
+    )
+
+
+def config_override(text: str | None) -> dict[str, MoeDecodeConfig]:
+    """MLAC_MOE_DECODE_CONFIG, for A/B runs of a config found by a sweep without a code change: JSON
+    {"fp8": {MoeDecodeConfig fields}, "bf16": {...}} (either key may be left out)."""
+    if not text:
+        return {}
+    return {kind: MoeDecodeConfig(**fields) for kind, fields in json.loads(text).items()}
+
+
+CONFIG_OVERRIDE = config_override(os.environ.get("MLAC_MOE_DECODE_CONFIG"))  # read once, at import
 
 
 @jit

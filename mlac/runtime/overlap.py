@@ -34,7 +34,6 @@ device-side chain (spec_decode.py).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,16 +46,12 @@ if TYPE_CHECKING:
     from mlac.runtime.scheduler import Scheduler, Sequence
 
 
-# Multi-rank overlap has not run on GPUs yet (its NCCL broadcast of the ids next to the collectives of
-# the CUDA graphs): where SchedulerConfig.overlap does not say, it is on for one rank only, and for
-# several with MLAC_MULTIRANK_OVERLAP=1 (read at import). Asked for (overlap=True), it runs.
-MULTIRANK_BY_DEFAULT = os.environ.get("MLAC_MULTIRANK_OVERLAP") == "1"
-
-
 def on_by_default(runner) -> bool:
-    """Overlap where the config does not say: on CUDA, one rank (or several with MULTIRANK_BY_DEFAULT)."""
-    one_rank = getattr(runner, "group", None) is None  # a DistributedRunner drives a group of ranks
-    return runner.device.type == "cuda" and (one_rank or MULTIRANK_BY_DEFAULT)
+    """Overlap where the config does not say: on CUDA, one rank or several. Multi-rank overlap
+    (the fed steps' NCCL broadcast next to the collectives of the CUDA graphs) ran on 2xH200:
+    tests/test_overlap_multirank_gpu.py, and tp2 batch 1 387 -> 416 tok/s
+    (benchmarks/results/decode_h200.md)."""
+    return runner.device.type == "cuda"
 
 
 def can_overlap(runner) -> bool:
