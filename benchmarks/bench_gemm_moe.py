@@ -326,7 +326,7 @@ def bench_routing() -> list[dict]:
     ]:
         logits = torch.randn(t, e, device=DEV)
         bias = torch.randn(e, device=DEV) * 0.1 if method == "noaux_tc" else None
-        args = (logits, k, method, scoring, ng, tg, norm, rsf, bias)
+        args = (logits, R.RoutingSpec(e, k, method, scoring, ng, tg, norm, rsf), bias)
 
         def ref(args=args):
             return R.route_ref(*args)

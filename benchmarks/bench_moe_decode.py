@@ -32,6 +32,7 @@ from gpu_timing import copy_gbps, graph_us  # noqa: E402
 
 from mlac.kernels import moe as M  # noqa: E402
 from mlac.kernels import moe_decode as MD  # noqa: E402
+from mlac.kernels import moe_routing as R  # noqa: E402
 
 DEV = "cuda"
 CALLS = 20  # calls per graph
@@ -109,7 +110,7 @@ def bench_shape(name, e, top_k, h, i, fp8, t, copy, deadline, quick) -> dict:
     touched = []
     for c in range(CALLS):
         logits = torch.randn(t, e, device=DEV)
-        weights, ids = M.route_ref(logits, top_k, "greedy", "softmax")
+        weights, ids = R.route_ref(logits, R.RoutingSpec(e, top_k, "greedy", "softmax"))
         x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
         calls.append((x, *copies[c % 2], weights, ids))
         touched.append(ids.unique().numel())

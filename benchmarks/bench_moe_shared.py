@@ -33,6 +33,7 @@ from bench_moe_decode import sweep  # noqa: E402
 from gpu_timing import copy_gbps, graph_us  # noqa: E402
 
 from mlac.kernels import moe as M  # noqa: E402
+from mlac.kernels import moe_routing as R  # noqa: E402
 from mlac.kernels.fp8_gemm import quantize_act_ref  # noqa: E402
 from mlac.kernels.fp8_quant import Fp8Act  # noqa: E402
 from mlac.runtime.layers import Weights  # noqa: E402
@@ -71,7 +72,9 @@ def bench(name, e, top_k, h, i, n_shared, fp8, copy, configs: bool = False) -> d
     layers = [make_layer(e, h, i, n_shared, fp8) for _ in range(2)]
     calls, touched = [], []
     for c in range(CALLS):
-        weights, ids = M.route_ref(torch.randn(1, e, device=DEV), top_k, "greedy", "softmax")
+        weights, ids = R.route_ref(
+            torch.randn(1, e, device=DEV), R.RoutingSpec(e, top_k, "greedy", "softmax")
+        )
         x = torch.randn(1, h, device=DEV, dtype=torch.bfloat16)
         x_act = Fp8Act(*quantize_act_ref(x), x.dtype, x) if fp8 else None
         calls.append((x, x_act, weights, ids, layers[c % 2]))

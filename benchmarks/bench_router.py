@@ -27,15 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_timing import copy_gbps, graph_us  # noqa: E402
 
 from mlac.kernels import router_gemv as rg  # noqa: E402
-from mlac.kernels.moe_routing import route  # noqa: E402
+from mlac.kernels.moe_routing import RoutingSpec, route  # noqa: E402
 
 LAYERS = 27
-SHAPES = {
-    "v2_lite": (64, 2048, dict(top_k=6, method="greedy", scoring="softmax")),
+SHAPES = {  # name: (D, routing)
+    "v2_lite": (2048, RoutingSpec(64, top_k=6, method="greedy", scoring="softmax")),
     "v3": (
-        256,
         7168,
-        dict(top_k=8, method="noaux_tc", scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True),
+        RoutingSpec(
+            256, top_k=8, method="noaux_tc", scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True
+        ),
     ),
 }
 ROWS = (1, 2, 4, 8, 16)
@@ -43,29 +44,32 @@ SWEEP_ROWS = (1, 4)  # the fused plan's rows (router_plan)
 DEVICE = "cuda"
 
 
-def _inputs(t: int, e: int, d: int, kw: dict):
+def _inputs(t: int, d: int, spec: RoutingSpec):
+    """(x [T, D] bf16, gate [E, D] float32, bias [E] or None)."""
+    e = spec.n_experts
     x = torch.randn(t, d, device=DEVICE).to(torch.bfloat16)
     gate = torch.randn(e, d, device=DEVICE) / d**0.5
-    bias = torch.randn(e, device=DEVICE) * 0.1 if kw["method"] == "noaux_tc" else None
-    return x, gate, dict(kw, bias=bias)
+    bias = torch.randn(e, device=DEVICE) * 0.1 if spec.method == "noaux_tc" else None
+    return x, gate, bias
 
 
-def _plans(x, gate, kw, config=None):
+def _plans(x, gate, spec, bias, config=None):
     """{plan: a call returning (weights, ids)}."""
     return {
-        "torch": lambda: route(F.linear(x.float(), gate), **kw),
-        "logits": lambda: route(rg.router_logits_triton(x, gate, config), **kw),
-        "fused": lambda: rg.router_route_triton(x, gate, **kw, config=config)[:2],
+        "torch": lambda: route(F.linear(x.float(), gate), spec, bias),
+        "logits": lambda: route(rg.router_logits_triton(x, gate, config), spec, bias),
+        "fused": lambda: rg.router_route_triton(x, gate, spec, bias, config=config)[:2],
     }
 
 
 def bench_shape(name: str, ceiling_gbps: float) -> list[dict]:
-    e, d, kw = SHAPES[name]
+    d, spec = SHAPES[name]
+    e = spec.n_experts
     ceiling_us = e * d * 4 / (ceiling_gbps * 1e3)
     rows = []
     for t in ROWS:
-        x, gate, kw_t = _inputs(t, e, d, kw)
-        plans = _plans(x, gate, kw_t)
+        x, gate, bias = _inputs(t, d, spec)
+        plans = _plans(x, gate, spec, bias)
         _, ref_ids = plans["torch"]()
         for plan, fn in plans.items():
             assert torch.equal(fn()[1], ref_ids), f"{name} T={t}: {plan} routes differently"
@@ -76,11 +80,11 @@ def bench_shape(name: str, ceiling_gbps: float) -> list[dict]:
                 flush=True,
             )
         if t in SWEEP_ROWS:
-            rows += sweep_tiles(name, t, x, gate, kw_t, ceiling_us)
+            rows += sweep_tiles(name, t, x, gate, spec, bias, ceiling_us)
     return rows
 
 
-def sweep_tiles(name, t, x, gate, kw, ceiling_us) -> list[dict]:
+def sweep_tiles(name, t, x, gate, spec, bias, ceiling_us) -> list[dict]:
     """The fused kernel at pick_config's block_e, with block_d halved and doubled, at 1-8 warps."""
     e, d = gate.shape
     default = rg.pick_config(e, d, rg.t_class(t), rg.sm_count(gate.device))
@@ -88,7 +92,7 @@ def sweep_tiles(name, t, x, gate, kw, ceiling_us) -> list[dict]:
     for block_d in (default.block_d // 2, default.block_d, 2 * default.block_d):
         for warps in (1, 2, 4, 8):
             cfg = rg.RouterConfig(default.block_e, max(64, block_d), warps)
-            us = graph_us([_plans(x, gate, kw, cfg)["fused"]] * LAYERS)
+            us = graph_us([_plans(x, gate, spec, bias, cfg)["fused"]] * LAYERS)
             mark = " (default)" if cfg == default else ""
             print(f"    tiles be={cfg.block_e} bd={cfg.block_d} w={warps}: {us:7.2f} us{mark}", flush=True)
             row = dict(

@@ -1,6 +1,6 @@
 """Train a small DeepSeek-V3-architecture model on the Python standard library; write an HF checkpoint.
 
-    python benchmarks/train_small.py OUT_DIR [--config micro|small] [--device cpu|cuda]
+    python benchmarks/train_small.py OUT_DIR [--config micro|small|deep] [--device cpu|cuda]
         [--minutes M] [--steps N] [--seed S] [--fp8]
 
 The model is transformers' DeepseekV3ForCausalLM (MLA with q-LoRA, YaRN, a dense first layer,
@@ -12,9 +12,10 @@ The routing bias (`e_score_correction_bias`) follows V3's auxiliary-loss-free ba
 each step it moves by BIAS_SPEED against each expert's load error.
 
 `micro` runs on a 2-core CPU in seconds (the CPU test trains it); `small` is the one-GPU,
-five-minute model. The clock (--minutes) stops training; the pace of steps 5..15 plans how many
-steps fit, and the LR schedule ends there (train_report's steps_planned: with `--steps` set to
-it, a run repeats exactly). AdamW, float32 on CPU, bf16 autocast on CUDA; fixed seed and data order.
+five-minute model; `deep` is as deep as V2-Lite (27 layers, d 256), so that its MTP draft costs a
+real DeepSeek model's share of a decode step (speculative decoding's measurement). The clock
+(--minutes) stops training; the pace of steps 5..15 plans how many steps fit, and the LR schedule
+ends there (train_report's steps_planned: with `--steps` set to it, a run repeats exactly). AdamW, float32 on CPU, bf16 autocast on CUDA; fixed seed and data order.
 OUT_DIR gets config.json, model.safetensors (the MTP layer at index num_hidden_layers, bf16, or
 FP8 with --fp8), tokenizer.json, tokenizer_config.json (chat template), generation_config.json,
 and train_report.json (parameters, steps, tokens, seconds, losses, held-out perplexity against
@@ -136,6 +137,27 @@ RECIPES: dict[str, Recipe] = {
         batch=32,
         steps=3000,
         lr=1.5e-3,
+        warmup=100,
+        train_bytes=None,
+        held_bytes=None,
+        eval_windows=256,
+        log_every=50,
+    ),  # fmt: skip
+    # As deep as V2-Lite (27 layers: 1 dense + 26 MoE; and the MTP layer), for speculative decoding:
+    # the MTP draft is then 1/28 of the model, as in real DeepSeek models (in `small`, 1/7).
+    # d 256, 4 heads, small's head and latent sizes (nope 64, rope 32, v 64, kv_lora 256), experts of
+    # 128 wide. 60.2M parameters (main 58.0M). Weights a token passes through: 28.4M (main 25.2M,
+    # MTP 1.06M, the two heads 2.10M); + causal attention over 512 positions, 4.6M MACs: 6 x 33.0M =
+    # 198 MFLOP per trained token (small: 176M). Its training step is 3.9x small's in ops (8,364 vs
+    # 2,148 aten ops, counted on CPU), each on tensors half as wide: small's step is bound by that
+    # elementwise traffic (29 TFLOP/s at 170k tok/s), so ~85k tok/s on an H200, ~20M tokens (1,250
+    # steps) in 4 minutes; FLOPs alone would allow ~150k tok/s. The `pace:` line says which.
+    "deep": Recipe(
+        model=_v3(vocab=4096, d=256, layers=27, heads=4, q_lora=256, kv_lora=256, rope=32, seq=512),
+        seq=512,
+        batch=32,
+        steps=3000,
+        lr=1e-3,
         warmup=100,
         train_bytes=None,
         held_bytes=None,

@@ -36,6 +36,8 @@ def _kernel_modules():
 
 gemm_mod, dec_mod, moe_mod = _kernel_modules()
 
+from mlac.kernels.moe_routing import RoutingSpec, route_ref  # noqa: E402
+
 
 def _experts(e: int, d: int, i: int, fp8: bool, seed: int):
     g = torch.Generator().manual_seed(seed)
@@ -52,7 +54,7 @@ def _experts(e: int, d: int, i: int, fp8: bool, seed: int):
 def _routing(t: int, e: int, top_k: int, seed: int, n_invalid: int = 0):
     """Random top-k routing; `n_invalid` pairs point at another rank's experts (ids >= E or -1)."""
     g = torch.Generator().manual_seed(seed)
-    weights, ids = moe_mod.route_ref(torch.randn(t, e, generator=g), top_k, "greedy", "softmax")
+    weights, ids = route_ref(torch.randn(t, e, generator=g), RoutingSpec(e, top_k, "greedy", "softmax"))
     flat = ids.view(-1)
     bad = torch.randperm(flat.numel(), generator=g)[:n_invalid]
     flat[bad] = torch.where(torch.arange(bad.numel()) % 2 == 0, e + 5, -1)

@@ -43,7 +43,7 @@ WEIGHT_RTOL = 1e-6
 def _modules():
     """(moe_routing, router_gemv), their kernels interpreted when there is no CUDA (reloaded in
     order if a module imported them compiled: router_gemv calls moe_routing's @jit helpers)."""
-    _, _, moe = _util.kernel_modules()
+    _util.kernel_modules()
     routing = importlib.import_module("mlac.kernels.moe_routing")
     router = importlib.import_module("mlac.kernels.router_gemv")
     if _util.HAS_TRITON and not _util.HAS_CUDA:
@@ -51,10 +51,10 @@ def _modules():
             routing = importlib.reload(routing)
         if type(router._router_kernel).__name__ != "InterpretedFunction" or router.route is not routing.route:
             router = importlib.reload(router)
-    return moe, routing, router
+    return routing, router
 
 
-moe_mod, routing, rg = _modules()
+routing, rg = _modules()
 SMALL = rg.RouterConfig(block_e=4, block_d=64)  # 4 programs for 16 experts, ragged against D=200
 
 
@@ -78,16 +78,17 @@ def _assert_logits(out: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> No
 
 
 def _route_case(t: int, e: int, method: str, seed: int):
-    """Inputs and route_ref's keyword arguments of one routing method (V2-Lite, V2, V3 rules)."""
+    """(x, gate, routing spec, bias or None) of one routing method (V2-Lite, V2, V3 rules)."""
     x, gate = _case(t, e, 200, seed)
     kw = dict(top_k=4, method=method, scoring="softmax")
     if method == "group_limited_greedy":
         kw.update(n_group=4, topk_group=2, routed_scaling_factor=16.0)
+    bias = None
     if method == "noaux_tc":
         bias = torch.randn(e, generator=torch.Generator().manual_seed(seed + 1)) * 0.1
         kw.update(scoring="sigmoid", n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
-        kw.update(bias=bias.to(DEV))
-    return x, gate, kw
+        bias = bias.to(DEV)
+    return x, gate, routing.RoutingSpec(e, **kw), bias
 
 
 def _assert_no_near_ties(logits: torch.Tensor) -> None:
@@ -151,9 +152,9 @@ def test_cpu_runs_the_reference(monkeypatch):
 
     monkeypatch.setattr(rg, "router_route_triton", boom)
     monkeypatch.setattr(rg, "router_logits_triton", boom)
-    x, gate, kw = _route_case(3, 16, "greedy", seed=1)
-    weights, ids = rg.gate_and_route(x.cpu(), gate.cpu(), **kw)
-    ref_w, ref_ids = moe_mod.route_ref(F.linear(x.cpu().float(), gate.cpu()), **kw)
+    x, gate, spec, bias = _route_case(3, 16, "greedy", seed=1)
+    weights, ids = rg.gate_and_route(x.cpu(), gate.cpu(), spec, bias)
+    ref_w, ref_ids = routing.route_ref(F.linear(x.cpu().float(), gate.cpu()), spec, bias)
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
 
 
@@ -191,14 +192,14 @@ def test_logits_read_strided_rows():
 @pytest.mark.parametrize("t", [1, 3, 4, 16])
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
 def test_fused_routing_matches_route_ref(t, method):
-    x, gate, kw = _route_case(t, 16, method, seed=t + len(method))
+    x, gate, spec, bias = _route_case(t, 16, method, seed=t + len(method))
     ref_logits = F.linear(x.float(), gate)
     _assert_no_near_ties(ref_logits)
-    _, ref_ids = moe_mod.route_ref(ref_logits, **kw)
+    _, ref_ids = routing.route_ref(ref_logits, spec, bias)
     with _util.poisoned_empty():
-        weights, ids, logits = rg.router_route_triton(x, gate, **kw, config=SMALL)
+        weights, ids, logits = rg.router_route_triton(x, gate, spec, bias, config=SMALL)
     _assert_logits(logits, x, gate)
-    own_w, _ = moe_mod.route_ref(logits, **kw)  # the routing of the kernel's own logits
+    own_w, _ = routing.route_ref(logits, spec, bias)  # the routing of the kernel's own logits
     _assert_routing(weights, ids, own_w, ref_ids)
     assert rg._arrival_counter(x.device).item() == 0  # back to 0 for the next launch
 
@@ -207,10 +208,10 @@ def test_fused_routing_matches_route_ref(t, method):
 def test_fused_routing_repeats_exactly():
     """Launch after launch (as graph replays do) the counter starts at 0 and the results are the
     same bits: the last program always routes, in token order."""
-    x, gate, kw = _route_case(4, 16, "noaux_tc", seed=3)
-    first = rg.router_route_triton(x, gate, **kw, config=SMALL)
+    x, gate, spec, bias = _route_case(4, 16, "noaux_tc", seed=3)
+    first = rg.router_route_triton(x, gate, spec, bias, config=SMALL)
     for _ in range(2):
-        again = rg.router_route_triton(x, gate, **kw, config=SMALL)
+        again = rg.router_route_triton(x, gate, spec, bias, config=SMALL)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
         assert rg._arrival_counter(x.device).item() == 0
 
@@ -220,34 +221,36 @@ def test_fused_routing_repeats_exactly():
 def test_gate_and_route_matches_the_torch_path(switch, t, monkeypatch):
     """Every plan gives route(F.linear(x.float(), gate)): the same experts, weights within 1e-6."""
     monkeypatch.setattr(rg, "ROUTER_KERNEL", switch)
-    x, gate, kw = _route_case(t, 16, "group_limited_greedy", seed=40 + t)
+    x, gate, spec, bias = _route_case(t, 16, "group_limited_greedy", seed=40 + t)
     ref_logits = F.linear(x.float(), gate)
     _assert_no_near_ties(ref_logits)
-    ref_w, ref_ids = moe_mod.route_ref(ref_logits, **kw)
-    weights, ids = rg.gate_and_route(x, gate, **kw, use_triton=True)
+    ref_w, ref_ids = routing.route_ref(ref_logits, spec, bias)
+    weights, ids = rg.gate_and_route(x, gate, spec, bias, use_triton=True)
     _assert_routing(weights, ids, ref_w, ref_ids, rtol=WEIGHT_RTOL + 4 * _logit_bound(x, gate))
 
 
 # ---- GPU: real shapes, CUDA graphs ----------------------------------------------------------------
 
 
-V2_LITE = dict(top_k=6, method="greedy", scoring="softmax")
-V3 = dict(top_k=8, method="noaux_tc", scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True)
+V2_LITE = routing.RoutingSpec(64, top_k=6, method="greedy", scoring="softmax")
+V3 = routing.RoutingSpec(
+    256, top_k=8, method="noaux_tc", scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)  # fmt: skip
 
 
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 4, 16])
-@pytest.mark.parametrize("e,d,kw", [(64, 2048, V2_LITE), (256, 7168, V3)], ids=["v2_lite", "v3"])
-def test_gpu_real_shapes(t, e, d, kw):
+@pytest.mark.parametrize("d,spec", [(2048, V2_LITE), (7168, V3)], ids=["v2_lite", "v3"])
+def test_gpu_real_shapes(t, d, spec):
+    e = spec.n_experts
     x, gate = _case(t, e, d, seed=t + e)
-    kw = dict(kw, bias=torch.randn(e, device="cuda") * 0.1 if kw["method"] == "noaux_tc" else None)
-    if kw["method"] == "noaux_tc":
-        kw["routed_scaling_factor"] = 2.5
+    bias = torch.randn(e, device="cuda") * 0.1 if spec.method == "noaux_tc" else None
     _assert_logits(rg.router_logits_triton(x, gate), x, gate)
-    weights, ids, logits = rg.router_route_triton(x, gate, **kw)
+    weights, ids, logits = rg.router_route_triton(x, gate, spec, bias)
     _assert_logits(logits, x, gate)
-    ref_w, ref_ids = moe_mod.route_ref(logits, **kw)  # the routing of the kernel's own logits
+    ref_w, ref_ids = routing.route_ref(logits, spec, bias)  # the routing of the kernel's own logits
     _assert_routing(weights, ids, ref_w, ref_ids)
 
 
@@ -255,10 +258,10 @@ def test_gpu_real_shapes(t, e, d, kw):
 @pytest.mark.gpu
 def test_gpu_graph_replay_keeps_the_counter_at_zero():
     x, gate = _case(2, 64, 2048, seed=5)
-    eager = rg.router_route_triton(x, gate, **V2_LITE)  # compiles, makes the counter
+    eager = rg.router_route_triton(x, gate, V2_LITE)  # compiles, makes the counter
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = rg.router_route_triton(x, gate, **V2_LITE)
+        captured = rg.router_route_triton(x, gate, V2_LITE)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -273,18 +276,18 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mlac.kernels.moe_routing import _route_launch_args
+from mlac.kernels.moe_routing import RoutingSpec, _route_launch_args
 from mlac.kernels.router_gemv import _router_kernel, pick_config
 
 sig = {"x_ptr": "*bf16", "gate_ptr": "*fp32", "logits_ptr": "*fp32", "bias_ptr": "*fp32",
        "weights_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32", "T": "i32", "D": "i32",
        "stride_xt": "i32", "scale": "fp32"}
-v3 = dict(top_k=8, method="noaux_tc", scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True,
-          routed_scaling_factor=2.5, bias=True)
+e, d = 256, 7168
+v3 = RoutingSpec(e, top_k=8, method="noaux_tc", scoring="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True,
+                 routed_scaling_factor=2.5)
 out = {}
 for block_t, route in ((1, True), (16, False)):
-    e, d = 256, 7168
-    _, consts = _route_launch_args(e, **v3)
+    _, consts = _route_launch_args(v3, has_bias=True)
     consts.pop("num_warps")
     cfg = pick_config(e, d, block_t, 132)
     consts.update(E=e, BLOCK_T=block_t, BLOCK_E=cfg.block_e, BLOCK_D=cfg.block_d, EVEN_D=d % cfg.block_d == 0,

@@ -11,6 +11,12 @@ heads with one matrix product:
 Long sequences are split into `num_splits` chunks computed in parallel (split-KV) and merged by
 log-sum-exp: by a merge kernel, or (`merge=False`) by the consumer of o_lat while it loads it
 (`SplitKV`: head_bmm's v-absorb merges the partials in its x load, one launch fewer).
+Rows of one sequence (a flattened extend or a speculative verify: consecutive rows, one block
+table, seq_lens rising by one per row) may run grouped (`row_groups`): one program takes up to
+ROWS of them, its dots' M is rows x heads, and each KV tile is loaded once for all of them (per
+row, a prefix of 2,000 tokens was read once per row); each row keeps its own causal limit. The
+group's longest row sets its split partition, which the merge then uses per row (SplitKV.seq_lens).
+`prefer_row_groups` is the rule between the forms (pure decode stays per-row).
 FP8 caches (e4m3 / e5m2) carry one float32 scale per tensor (value = stored * scale); their
 tiles are widened to fp16 and q is cast to fp16 for the dots (|q| must stay below 65504).
 `mla_decode` dispatches: Triton on CUDA, the reference on CPU. Measured on an H200:
@@ -19,6 +25,7 @@ benchmarks/NOTES_attention.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from typing import NamedTuple
 
@@ -40,8 +47,9 @@ class SplitKV(NamedTuple):
 
     o_part [B, H, S, C] float32: each split's o, normalized by its own softmax sum.
     lse_part [B, H, S] float32: each split's log-sum-exp, base 2 (-inf for an empty split).
-    seq_lens [B] int32: request b wrote only the first `used_splits(seq_len, S, min_split)` splits;
-    the others hold garbage and must not be read.
+    seq_lens [B] int32: the lengths that set each row's split partition (its seq_len; in the
+    grouped form its group's longest row's): row b wrote only the first
+    `used_splits(seq_lens[b], S, min_split)` splits; the others hold garbage and must not be read.
     dtype: o_lat's dtype; the merge rounds to it (as the merge kernel's store does).
     """
 
@@ -136,56 +144,77 @@ if triton is not None:
 
     @triton.jit
     def _mla_decode_split_kernel(
-        q_nope, q_rope, kv, block_table, seq_lens, kv_scale_ptr, o_ptr, lse_ptr,
+        q_nope, q_rope, kv, block_table, seq_lens, groups, kv_scale_ptr, o_ptr, lse_ptr,
         stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-        stride_kv_blk, stride_kv_tok, stride_bt_b,
+        stride_kv_blk, stride_kv_tok, stride_bt_b, stride_g,
         stride_o_b, stride_o_h, stride_o_s, stride_l_b, stride_l_h, stride_l_s,
         H, qk_scale_log2, num_splits,
         MIN_SPLIT: tl.constexpr, PAGE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
         DL: tl.constexpr, DR: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, GROUPED: tl.constexpr, ROWS: tl.constexpr,
         HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, LSE_LOG2: tl.constexpr,
         PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """One program: BLOCK_H heads of request b over split s of its tokens.
+        """One program: BLOCK_H heads of request b over split s of its tokens; GROUPED, of the
+        rows b .. b + n - 1 of one sequence (n <= ROWS, `groups`: see `row_groups`) at once, every
+        KV tile loaded once for all of them: the dots' M is ROWS x BLOCK_H (row-major: m = r * BLOCK_H
+        + head). The programs of rows that lead no group return at once.
 
-        Request b uses the first `_used_splits(seq_len)` of the num_splits splits; the programs of
-        the others return at once (num_splits is fixed by a CUDA graph's grid, seq_len is not).
+        The split partition is that of `kv_len`: the request's seq_len, or GROUPED the group's
+        longest row's (groups[1, b]). The program uses the first `_used_splits(kv_len)` of the
+        num_splits splits; the programs of the others return at once (num_splits is fixed by a CUDA
+        graph's grid, seq_len is not). Each row attends only to its own first seq_len tokens.
         Writes o normalized by its own softmax denominator, and its lse (log2 domain when LSE_LOG2,
-        for the merge; natural log otherwise). An empty split writes o = 0, lse = -inf.
+        for the merge; natural log otherwise). An empty split (of a row) writes o = 0, lse = -inf.
         """
         pdl_start(PDL)  # before the early return: see mlac.kernels._triton
         pid_h = tl.program_id(0)
         b = tl.program_id(1)
         pid_s = tl.program_id(2)
 
-        seq_len = tl.load(seq_lens + b)
-        used = _used_splits(seq_len, num_splits, MIN_SPLIT)
+        if GROUPED:
+            n_rows = tl.load(groups + b)  # 0: row b belongs to an earlier row's group
+            if n_rows == 0:
+                return
+            kv_len = tl.load(groups + stride_g + b)
+            offs_m = tl.arange(0, ROWS * BLOCK_H)  # [M]: (row, head) pairs
+            offs_h = pid_h * BLOCK_H + offs_m % BLOCK_H
+            row_m = b + offs_m // BLOCK_H  # [M] the row of each (row, head) pair
+            mask_h = (offs_h < H) & (offs_m // BLOCK_H < n_rows)
+            row_len = tl.load(seq_lens + row_m, mask=mask_h, other=0)  # [M] each row's own length
+            rows = row_m[:, None]  # [M, 1]
+        else:  # M = BLOCK_H: one row
+            kv_len = tl.load(seq_lens + b)
+            offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            row_m = b
+            rows = b
+        used = _used_splits(kv_len, num_splits, MIN_SPLIT)
         if pid_s >= used:
             return
-        split_len = tl.cdiv(tl.cdiv(seq_len, used), BLOCK_N) * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(kv_len, used), BLOCK_N) * BLOCK_N
         start = pid_s * split_len
-        end = tl.minimum(start + split_len, seq_len)
+        end = tl.minimum(start + split_len, kv_len)
+        if GROUPED:
+            row_end = tl.minimum(row_len, end)  # [M]
 
-        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
         offs_dl = tl.arange(0, BLOCK_DL)
         offs_dr = tl.arange(0, BLOCK_DR)
         mask_dl = offs_dl < DL
         mask_dr = offs_dr < DR
 
-        qn_ptrs = q_nope + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_dl[None, :]
-        qr_ptrs = q_rope + b * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_dr[None, :]
-        q_n = tl.load(qn_ptrs, mask=mask_h[:, None] & mask_dl[None, :], other=0.0)  # [BH, BDL]
-        q_r = tl.load(qr_ptrs, mask=mask_h[:, None] & mask_dr[None, :], other=0.0)  # [BH, BDR]
+        qn_ptrs = q_nope + rows * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_dl[None, :]
+        qr_ptrs = q_rope + rows * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_dr[None, :]
+        q_n = tl.load(qn_ptrs, mask=mask_h[:, None] & mask_dl[None, :], other=0.0)  # [M, BDL]
+        q_r = tl.load(qr_ptrs, mask=mask_h[:, None] & mask_dr[None, :], other=0.0)  # [M, BDR]
         if HAS_SCALE:
             kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
             qk_scale_log2 = qk_scale_log2 * kv_scale
 
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_DL], dtype=tl.float32)
-        bt_row = block_table + b * stride_bt_b
+        m_i = tl.full([ROWS * BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS * BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([ROWS * BLOCK_H, BLOCK_DL], dtype=tl.float32)
+        bt_row = block_table + b * stride_bt_b  # GROUPED: the rows share the leading row's table
         offs_t = tl.arange(0, BLOCK_N)
         # Loop-invariant offsets of a tile that lies inside one page: [BN, BDL] and [BN, BDR].
         tile_lat = offs_t[:, None] * stride_kv_tok + offs_dl[None, :]
@@ -218,12 +247,19 @@ if triton is not None:
             k_rope = tl.load(rope_ptrs, mask=mask_n[:, None] & mask_dr[None, :], other=0.0).to(q_n.dtype)
 
             s = tl.dot(q_n, tl.trans(kv_lat), input_precision=PRECISION)
-            s = tl.dot(q_r, tl.trans(k_rope), s, input_precision=PRECISION)  # [BH, BN] float32
-            s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a valid token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            s = tl.dot(q_r, tl.trans(k_rope), s, input_precision=PRECISION)  # [M, BN] float32
+            if GROUPED:  # each row's own causal limit
+                s = tl.where(offs_n[None, :] < row_end[:, None], s * qk_scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # HAZARD: a row may have no token in this tile (its end is before it): m_new is
+                # -inf there, and exp2(-inf - -inf) would be NaN. Subtract 0 instead (p = 0).
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a valid token
+                m_sub = m_new
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v_lat.dtype), v_lat, input_precision=PRECISION)
             m_i = m_new
@@ -232,13 +268,16 @@ if triton is not None:
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         if HAS_SCALE:
             out = out * kv_scale
-        o_ptrs = o_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + pid_s * stride_o_s + offs_dl[None, :]
+        o_ptrs = (
+            o_ptr + rows * stride_o_b + offs_h[:, None] * stride_o_h + pid_s * stride_o_s + offs_dl[None, :]
+        )
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_dl[None, :])
         if STORE_LSE:
             lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
             if not LSE_LOG2:
                 lse = lse * 0.6931471805599453
-            tl.store(lse_ptr + b * stride_l_b + offs_h * stride_l_h + pid_s * stride_l_s, lse, mask=mask_h)
+            l_ptrs = lse_ptr + row_m * stride_l_b + offs_h * stride_l_h + pid_s * stride_l_s
+            tl.store(l_ptrs, lse, mask=mask_h)
 
     # The split merge, shared by the merge kernel and head_bmm's merging x load, so that both give
     # the same bits: each element's sums run in split order, one add (or fma) per split, whatever
@@ -323,19 +362,78 @@ if triton is not None:
 # it for the whole context); a request uses only the splits its own length fills with at least
 # min_split_tiles tiles each, so short sequences in a graph sized for 160k tokens neither write nor
 # merge dozens of empty partials.
+# Grouped form (`row_groups`): ROWS rows of one sequence x BLOCK_H heads fill M = GROUP_M, "many"'s
+# wgmma tile, with its launch settings. 64 heads or more already fill it: those never group.
 _CONFIGS = {  # the same for a bf16 and an FP8 cache
-    "few": dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=5, ctas_per_sm=2, tile_in_page=True, min_split_tiles=2),
-    "many": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
+    "few": dict(BLOCK_H=16, ROWS=1, BLOCK_N=32, num_warps=4, num_stages=5, ctas_per_sm=2, tile_in_page=True, min_split_tiles=2),
+    "many": dict(BLOCK_H=64, ROWS=1, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
+    "rows16": dict(BLOCK_H=16, ROWS=4, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
+    "rows32": dict(BLOCK_H=32, ROWS=2, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
 }  # fmt: skip
+GROUP_M = 64
 _CONFIG_INTERPRET = dict(
-    BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, ctas_per_sm=1, tile_in_page=True, min_split_tiles=1
+    BLOCK_H=16,
+    ROWS=1,
+    BLOCK_N=16,
+    num_warps=4,
+    num_stages=1,
+    ctas_per_sm=1,
+    tile_in_page=True,
+    min_split_tiles=1,
 )
+INTERPRET_ROWS = 4  # rows per program of the grouped form under the interpreter (tests)
 
 
-def default_config(n_heads: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+def default_config(
+    n_heads: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16, grouped: bool = False
+) -> dict:
+    """Launch settings of the per-row form, or (`grouped`) of the grouped form: ROWS = 1 where
+    rows do not group (n_heads >= GROUP_M)."""
     if device.type != "cuda":
-        return dict(_CONFIG_INTERPRET)
-    return dict(_CONFIGS["many" if n_heads >= 64 else "few"])
+        return {**_CONFIG_INTERPRET, "ROWS": INTERPRET_ROWS if grouped and n_heads < GROUP_M else 1}
+    if n_heads >= GROUP_M:
+        return dict(_CONFIGS["many"])
+    if grouped:
+        return dict(_CONFIGS["rows16" if n_heads <= 16 else "rows32"])
+    return dict(_CONFIGS["few"])
+
+
+def decode_group_rows(n_heads: int, device: torch.device) -> int:
+    """Rows of one sequence that one program of the grouped form takes (its ROWS); 1 where
+    grouping gains nothing (a head tile of 64 or more already fills the dots' M)."""
+    return default_config(n_heads, device, grouped=True)["ROWS"]
+
+
+def prefer_row_groups(q_lens: Sequence[int], n_heads: int, device: torch.device) -> bool:
+    """The form rule: the grouped form when some sequence runs more than one row (a flattened
+    extend, a speculative verify) and rows group at all; pure decode (every q_len 1) keeps the
+    per-row form and its own tuned launch (a group of one would waste 3/4 of the grouped M)."""
+    return decode_group_rows(n_heads, device) > 1 and any(q > 1 for q in q_lens)
+
+
+def row_groups_host(
+    ctx_lens: Sequence[int], q_lens: Sequence[int], rows: int, pad: int = 0
+) -> tuple[list[int], list[int]]:
+    """The grouped form's per-row table, as host lists, for the flattened rows of B sequences
+    (sequence i: q_lens[i] rows, row j at position ctx_lens[i] + j, attending over ctx + j + 1
+    tokens) and then `pad` padding rows (one token each): (lead [T], kv_len [T]).
+    lead[r]: rows of the group row r leads (1..rows), 0 when r is not a group's first row; groups
+    are runs of at most `rows` consecutive rows of one sequence. kv_len[r]: the seq_len of the
+    last (longest) row of r's group, which sets the split partition of every row of the group."""
+    lead, kv_len = [], []
+    for c, q in zip(ctx_lens, q_lens, strict=True):
+        for g0 in range(0, q, rows):
+            n = min(rows, q - g0)
+            lead += [n] + [0] * (n - 1)
+            kv_len += [c + g0 + n] * n
+    return lead + [1] * pad, kv_len + [1] * pad
+
+
+def row_groups(
+    ctx_lens: Sequence[int], q_lens: Sequence[int], rows: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[2, T] int32 on `device`: `row_groups_host` as mla_decode's `row_groups` input."""
+    return torch.tensor(row_groups_host(ctx_lens, q_lens, rows), dtype=torch.int32, device=device)
 
 
 @cache
@@ -360,8 +458,11 @@ def _dot_k(d: int) -> int:
     return max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
 
 
-def _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale):
+def _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale, row_groups=None):
     b, h, kv_lora = q_nope_lat.shape
+    if row_groups is not None:
+        assert row_groups.shape == (2, b) and row_groups.dtype == torch.int32 and row_groups.stride(1) == 1
+        assert row_groups.device == q_nope_lat.device
     rope = q_rope.shape[-1]
     assert q_rope.shape == (b, h, rope), f"q_rope {tuple(q_rope.shape)} vs q_nope_lat {(b, h, kv_lora)}"
     assert kv_cache.dim() == 3 and kv_cache.shape[2] == kv_lora + rope, (
@@ -383,15 +484,21 @@ def _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale)
 
 
 def decode_num_splits(
-    q_nope_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, config: dict | None = None
+    q_nope_lat: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    config: dict | None = None,
+    grouped: bool = False,
 ) -> int:
-    """The split count `mla_decode_triton` takes for these sizes (static ones only: a CUDA graph's)."""
+    """The split count `mla_decode_triton` takes for these sizes (static ones only: a CUDA graph's).
+    `grouped`: for the grouped form, counted as if every program took ROWS rows."""
     b, h, _ = q_nope_lat.shape
     dev = q_nope_lat.device
-    cfg = {**default_config(h, dev, kv_cache.dtype), **(config or {})}
+    cfg = {**default_config(h, dev, kv_cache.dtype, grouped), **(config or {})}
     slots = (_sm_count(dev.index or 0) if dev.type == "cuda" else 8) * cfg["ctas_per_sm"]
     max_len = block_table.shape[1] * kv_cache.shape[1]
-    return choose_num_splits(b, -(-h // cfg["BLOCK_H"]), max_len, cfg["BLOCK_N"], slots)
+    programs = -(-b // cfg["ROWS"]) if grouped else b
+    return choose_num_splits(programs, -(-h // cfg["BLOCK_H"]), max_len, cfg["BLOCK_N"], slots)
 
 
 def mla_decode_triton(
@@ -408,20 +515,26 @@ def mla_decode_triton(
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     merge: bool = True,
+    row_groups: torch.Tensor | None = None,
 ):
     """Triton path of `mla_decode` (same contract). `num_splits` and `config` override the defaults;
     `out` [B, H, kv_lora] and `lse_out` [B, H] float32 are written when given (else allocated).
-    `merge=False` with num_splits > 1 returns the partials as a `SplitKV` (no merge launch)."""
-    _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale)
+    `merge=False` with num_splits > 1 returns the partials as a `SplitKV` (no merge launch).
+    `row_groups` selects the grouped form (`mla_decode`); its groups must have at most the
+    config's ROWS rows (`decode_group_rows`)."""
+    _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale, row_groups)
+    grouped = row_groups is not None
     assert merge or not return_lse, "merge=False returns no lse"
     b, h, kv_lora = q_nope_lat.shape
     rope = q_rope.shape[-1]
     page = kv_cache.shape[1]
     dev = q_nope_lat.device
-    cfg = {**default_config(h, dev, kv_cache.dtype), **(config or {})}
+    cfg = {**default_config(h, dev, kv_cache.dtype, grouped), **(config or {})}
     head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
     if num_splits is None:
-        num_splits = decode_num_splits(q_nope_lat, kv_cache, block_table, config)
+        num_splits = decode_num_splits(q_nope_lat, kv_cache, block_table, config, grouped)
+    # [B] the length that sets each row's split partition (its group's longest row's when grouped)
+    split_lens = row_groups[1] if grouped else seq_lens
     is_fp8 = kv_cache.dtype in FP8_KV_DTYPES
     has_scale = kv_scale is not None and is_fp8
     out_dtype = q_nope_lat.dtype
@@ -450,27 +563,27 @@ def mla_decode_triton(
     min_split = cfg["min_split_tiles"] * cfg["BLOCK_N"]
     grid = (head_blocks, b, num_splits)
     _mla_decode_split_kernel[grid](
-        q_nope_lat, q_rope, kv_cache, block_table, seq_lens,
+        q_nope_lat, q_rope, kv_cache, block_table, seq_lens, row_groups if grouped else seq_lens,
         kv_scale if has_scale else seq_lens, o_part, lse_part,
         q_nope_lat.stride(0), q_nope_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), row_groups.stride(0) if grouped else 0,
         o_part.stride(0), o_part.stride(1), so_s, *sl,
         h, softmax_scale * LOG2E, num_splits,
         MIN_SPLIT=min_split, PAGE=page, TILE_IN_PAGE=tile_in_page,
         DL=kv_lora, DR=rope, BLOCK_DL=_dot_k(kv_lora), BLOCK_DR=_dot_k(rope),
-        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], GROUPED=grouped, ROWS=cfg["ROWS"] if grouped else 1,
         HAS_SCALE=has_scale, IS_FP8=is_fp8,
         PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",  # a float32 cache: no TF32
         STORE_LSE=return_lse or num_splits > 1, LSE_LOG2=num_splits > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(),
     )  # fmt: skip
     if num_splits > 1 and not merge:
-        return SplitKV(o_part, lse_part, seq_lens, min_split, out_dtype)
+        return SplitKV(o_part, lse_part, split_lens, min_split, out_dtype)
     if num_splits > 1:
         _mla_decode_merge_kernel[(h, b)](
             o_part, lse_part, out, lse if return_lse else lse_part,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0, seq_lens, num_splits,
+            out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0, split_lens, num_splits,
             MIN_SPLIT=min_split, MERGE_CHUNK=MERGE_CHUNK,
             DL=kv_lora, BLOCK_DL=triton.next_power_of_2(kv_lora), STORE_LSE=return_lse,
             num_warps=8, **pdl_launch(),
@@ -491,6 +604,7 @@ def mla_decode(
     use_triton: bool | None = None,
     merge: bool = True,
     num_splits: int | None = None,
+    row_groups: torch.Tensor | None = None,
 ):
     """Absorbed MLA decode over a paged latent cache.
 
@@ -504,11 +618,17 @@ def mla_decode(
     `merge=False` (no lse): where the Triton path splits the sequences (num_splits > 1, fixed by
     static sizes), it returns the unmerged `SplitKV` instead of o_lat, for head_bmm to merge.
     `num_splits`: the Triton path's split count when the caller has it (`decode_num_splits`).
+    `row_groups` [2, B] int32 (`row_groups`, rows contiguous), when given, selects the grouped form:
+    consecutive rows of one sequence (one block table, seq_lens rising by one per row: a flattened
+    extend) share one program per head tile and split, every KV tile loaded once for them all.
+    row_groups[0, r]: rows of the group row r leads (1..ROWS of `decode_group_rows`), 0 for the
+    other rows of a group; row_groups[1, r]: the seq_len of the last row of r's group. Rows of a
+    group use the first row's block table. Same result as without it; the reference ignores it.
     """
     if _use_triton(q_nope_lat, use_triton):
         return mla_decode_triton(
             q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale, return_lse,
-            num_splits=num_splits, out=out, merge=merge,
+            num_splits=num_splits, out=out, merge=merge, row_groups=row_groups,
         )  # fmt: skip
     o, lse = mla_decode_ref(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, softmax_scale, kv_scale)
     if out is not None:
@@ -519,11 +639,15 @@ def mla_decode(
 __all__ = [
     "SplitKV",
     "choose_num_splits",
+    "decode_group_rows",
     "decode_num_splits",
     "default_config",
     "merge_ref",
     "mla_decode",
     "mla_decode_ref",
     "mla_decode_triton",
+    "prefer_row_groups",
+    "row_groups",
+    "row_groups_host",
     "used_splits_ref",
 ]

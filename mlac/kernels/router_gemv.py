@@ -37,9 +37,9 @@ from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import sm_count
 from mlac.kernels.fp8_quant import jit
-from mlac.kernels.moe import TopkMethod
 from mlac.kernels.moe_routing import (
-    _check_route_args,
+    RoutingSpec,
+    _check_bias,
     _expert_tile,
     _route_launch_args,
     _route_tile,
@@ -278,29 +278,23 @@ def router_logits_triton(
 def router_route_triton(
     x: torch.Tensor,
     gate: torch.Tensor,
-    top_k: int,
-    method: TopkMethod,
-    scoring: Literal["softmax", "sigmoid"],
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = False,
-    routed_scaling_factor: float = 1.0,
+    spec: RoutingSpec,
     bias: torch.Tensor | None = None,
     config: RouterConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton, one launch: (weights [T, top_k] float32, ids [T, top_k] int64, logits [T, E] float32)
-    = route(router_logits(x, gate), ...), route_ref's contract. x and gate as router_logits_triton."""
+    = route(router_logits(x, gate), spec, bias), route_ref's contract. x and gate as
+    router_logits_triton, E = spec.n_experts; bias [E] on x's device."""
     assert HAS_TRITON, "router_route_triton needs triton"
     _check(x, gate)
     (t, _), e = x.shape, gate.shape[0]
-    _check_route_args(e, top_k, method, scoring, n_group, topk_group, bias, x.device)
-    scale, routing = _route_launch_args(
-        e, top_k, method, scoring, n_group, topk_group, norm_topk_prob, routed_scaling_factor, bias
-    )
+    assert e == spec.n_experts, f"gate [{e}, D] for a routing of {spec.n_experts} experts"
+    _check_bias(bias, spec, x.device)
+    scale, routing = _route_launch_args(spec, bias is not None)
     routing.pop("num_warps")  # the logits part picks the warps
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, spec.top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, spec.top_k, dtype=torch.int64, device=x.device)
     route_args = (weights, ids, logits if bias is None else bias, scale, routing)
     _launch(x, gate, logits, route_args, config)
     return weights, ids, logits
@@ -317,37 +311,21 @@ def _plan_for(x: torch.Tensor, gate: torch.Tensor, use_triton: bool | None) -> P
 def gate_and_route(
     x: torch.Tensor,
     gate: torch.Tensor,
-    top_k: int,
-    method: TopkMethod,
-    scoring: Literal["softmax", "sigmoid"],
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = False,
-    routed_scaling_factor: float = 1.0,
+    spec: RoutingSpec,
     bias: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router: x [T, D] -> (weights [T, top_k] float32, ids [T, top_k] int64), the contract
-    of route(F.linear(x.float(), gate), ...). On CUDA (or `use_triton`) `router_plan` picks one
-    launch, the logits kernel then `route`, or F.linear then `route`; elsewhere the reference."""
-    route_kw = dict(
-        top_k=top_k,
-        method=method,
-        scoring=scoring,
-        n_group=n_group,
-        topk_group=topk_group,
-        norm_topk_prob=norm_topk_prob,
-        routed_scaling_factor=routed_scaling_factor,
-        bias=bias,
-    )
+    of route(F.linear(x.float(), gate), spec, bias). On CUDA (or `use_triton`) `router_plan` picks
+    one launch, the logits kernel then `route`, or F.linear then `route`; elsewhere the reference."""
     plan = _plan_for(x, gate, use_triton)
     if plan != "torch" and x.stride(-1) != 1:
         x = x.contiguous()
     if plan == "fused":
-        weights, ids, _ = router_route_triton(x, gate, **route_kw)
+        weights, ids, _ = router_route_triton(x, gate, spec, bias)
         return weights, ids
     logits = router_logits_triton(x, gate) if plan == "logits" else router_logits_ref(x, gate)
-    return route(logits, **route_kw, use_triton=use_triton)
+    return route(logits, spec, bias, use_triton=use_triton)
 
 
 __all__ = [

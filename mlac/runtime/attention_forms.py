@@ -20,6 +20,10 @@ quantizes its own output (kernels/head_bmm.py): 3 launches (head_bmm, split-KV a
 where there were up to 5 (+ the split merge when num_splits > 1, + o_proj's act_quant when FP8).
 MLAC_FUSED_MLA_OUT=0 (read once, at import) gives the separate merge and act_quant launches back.
 The merge moves into head_bmm only up to FUSED_MERGE_MAX_SPLITS splits (see there).
+Decode rows of one sequence (a flattened extend, a speculative verify: graphs.py) may run
+grouped (`row_groups`, kernels/mla_decode.py): one program per group loads each KV tile once for
+all its rows. The CUDA graphs choose the form per step (mla_decode.prefer_row_groups);
+MLAC_MLA_ROW_GROUPS=0 (read once, at import) keeps every step per-row (an end-to-end A/B).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from mlac.kernels.head_bmm import head_bmm
 from mlac.kernels.mla_decode import decode_num_splits, mla_decode
 
 FUSED_MLA_OUT: bool = os.environ.get("MLAC_FUSED_MLA_OUT") != "0"  # read once, at import
+ROW_GROUPS: bool = os.environ.get("MLAC_MLA_ROW_GROUPS") != "0"  # read once, at import
 # head_bmm's merge reloads every used split's partials for each of its K steps. On an H200
 # (benchmarks/bench_mla_out.py, V2-Lite, benchmarks/results/fused_ab_h200_run.txt) it beat the merge
 # launch at 8 splits (batch 32, 256 tokens: 24.4 against 27.0 us) and lost at 32-64 splits (batch 1,
@@ -114,17 +119,20 @@ def decode_absorbed(
     w_kc: torch.Tensor,  # [H, nope, C]
     w_vc: torch.Tensor,  # [H, C, v]
     quant_out: bool = False,
+    row_groups: torch.Tensor | None = None,  # [2, B] int32: the grouped form (mla_decode)
 ) -> torch.Tensor | Fp8Act:  # [B, H·v]
     """Absorbed decode, one new token per sequence: q_lat = q_nope·w_kc, MQA over the paged latents,
     o = o_lat·w_vc, flattened to o_proj's input [B, H·v]. `quant_out` (o_proj is FP8) returns its
     `Fp8Act` instead: the bits o_proj's own act_quant would give (made by head_bmm when
-    FUSED_MLA_OUT and v % 128 == 0, else o_proj quantizes the tensor returned)."""
+    FUSED_MLA_OUT and v % 128 == 0, else o_proj quantizes the tensor returned). `row_groups`:
+    rows of one sequence attend in groups (mla_decode's grouped form; same result)."""
     q_lat = head_bmm(q_nope, w_kc)  # [B, H, C] contiguous
-    splits = decode_num_splits(q_lat, kv_cache, block_tables)
+    splits = decode_num_splits(q_lat, kv_cache, block_tables, grouped=row_groups is not None)
     fuse_merge = FUSED_MLA_OUT and splits <= FUSED_MERGE_MAX_SPLITS
     o_lat = mla_decode(
-        q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale, merge=not fuse_merge, num_splits=splits
-    )
+        q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale,
+        merge=not fuse_merge, num_splits=splits, row_groups=row_groups,
+    )  # fmt: skip
     quant_out = quant_out and FUSED_MLA_OUT and w_vc.shape[-1] % BLOCK == 0
     o = head_bmm(o_lat, w_vc, quant_out=quant_out)  # [B, H, v] (o_lat may be SplitKV partials)
     return o if quant_out else o.flatten(1)
@@ -134,6 +142,7 @@ __all__ = [
     "ABSORBED_MAX_Q_LEN",
     "FUSED_MERGE_MAX_SPLITS",
     "FUSED_MLA_OUT",
+    "ROW_GROUPS",
     "decode_absorbed",
     "extend_absorbed",
     "extend_mha",

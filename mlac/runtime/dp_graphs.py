@@ -35,7 +35,7 @@ class DPDecodeGraphs(DecodeGraphs):
     def __init__(
         self, model: DeepseekModel, cache: PagedKVCache, buckets: list[int], max_context: int, dp: DPRank
     ):
-        super().__init__(model, cache, buckets, max_context)
+        super().__init__(model, cache, buckets, max_context, row_groups=False)  # its own _step, per-row
         self.dp = dp
         device, n = model.device, dp.size
         self.all_ids = torch.zeros(n, self.max_bs, dtype=torch.int64, device=device)  # [N, max_bs]

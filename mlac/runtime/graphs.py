@@ -16,6 +16,12 @@ prompt, decode rows mixed with a prefill chunk) so replays a graph instead of la
 eager forward's hundreds of kernels from Python; the logits of each sequence's last row are
 gathered after the replay.
 
+A sequence's rows in such a step attend grouped (mla_decode's grouped form: the rows of one
+sequence share each KV tile's load, `row_groups`) where `prefer_row_groups` says so: each bucket
+above 1 is captured a second time in that form, and a step replays the grouped graph exactly
+when some sequence runs more than one row. Pure decode steps keep the per-row graphs (their
+kernels are tuned for one row per program). MLAC_MLA_ROW_GROUPS=0 captures no grouped graph.
+
 Padding rows (T..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
 the cache's scratch block (kv_cache.py): they read and write nothing a real sequence owns.
 
@@ -32,6 +38,8 @@ from collections.abc import Callable
 import torch
 
 from mlac.errors import MlacError
+from mlac.kernels.mla_decode import decode_group_rows, prefer_row_groups, row_groups_host
+from mlac.runtime.attention_forms import ROW_GROUPS
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.model import DeepseekModel
 from mlac.runtime.step import Step
@@ -79,31 +87,39 @@ def capture_buckets(
 
 class DecodeInputs:
     """The static inputs of the captured decode step for up to `max_bs` sequences of up to
-    `max_blocks` blocks, and their pinned host mirrors (filled per step, copied in one go each)."""
+    `max_blocks` blocks, and their pinned host mirrors (filled per step, copied in one go each).
+    `group_rows`: the most rows of one sequence per group of the grouped form (`row_groups`)."""
 
-    def __init__(self, max_bs: int, max_blocks: int, cache: PagedKVCache, device: torch.device):
-        self.max_bs, self.max_blocks = max_bs, max_blocks
+    def __init__(
+        self, max_bs: int, max_blocks: int, cache: PagedKVCache, device: torch.device, group_rows: int = 1
+    ):
+        self.max_bs, self.max_blocks, self.group_rows = max_bs, max_blocks, group_rows
         self.block_size, self.scratch = cache.block_size, cache.scratch_block
         pin = device.type == "cuda"
-        # int64 rows: token ids, positions, slots; int32: sequence lengths; the block tables
+        # int64 rows: token ids, positions, slots; int32 rows: sequence lengths and the two rows of
+        # mla_decode's row_groups (group sizes, group lengths); the block tables
         self.host64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pin)
-        self.host_lens = torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin)
+        self.host_lens = torch.zeros(3, max_bs, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(3, max_bs, dtype=torch.int32, device=device)
+        self.seq_lens = self.lens[0]
         self.tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if pin else None  # the last host-to-device copy
         self.fill(Step.of([[0]], [0], [[self.scratch]]), max_bs)  # every row a padding row
 
-    def batch(self, bs: int) -> tuple[torch.Tensor, ForwardBatch]:
-        """(token ids [bs], ForwardBatch) over the first `bs` rows of the static buffers."""
+    def batch(self, bs: int, grouped: bool = False) -> tuple[torch.Tensor, ForwardBatch]:
+        """(token ids [bs], ForwardBatch) over the first `bs` rows of the static buffers; `grouped`:
+        with the row groups (the grouped attention form)."""
         ids, positions, slots = self.dev64[:, :bs]
+        groups = self.lens[1:, :bs] if grouped else None  # [2, bs]
         none = torch.zeros(0, dtype=torch.int64, device=ids.device)
         return ids, ForwardBatch(
             is_decode=True, q_lens=(1,) * bs, ctx_lens=(0,) * bs, positions=positions, slots=slots,
             block_tables=self.tables[:bs], seq_lens=self.seq_lens[:bs],
             cu_seqlens_q=self.cu_seqlens[: bs + 1], cu_seqlens_kv=self.cu_seqlens[: bs + 1], kv_slots=none,
+            row_groups=groups,
         )  # fmt: skip
 
     def fill(self, step: Step, bs: int, ids: torch.Tensor | None = None) -> None:
@@ -126,13 +142,15 @@ class DecodeInputs:
         self.host64[:, :bs] = torch.tensor(
             [list(step.token_ids) + [0] * pad, positions + [0] * pad, slots + [self.scratch * size] * pad]
         )
-        self.host_lens[:bs] = torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32)
+        lead, kv_len = row_groups_host(step.ctx_lens, step.q_lens, self.group_rows, pad)
+        lens = [p + 1 for p in positions] + [1] * pad
+        self.host_lens[:, :bs] = torch.tensor([lens, lead, kv_len], dtype=torch.int32)
         rows = [list(t) + [0] * (width - len(t)) for t in tables]
         rows += [[self.scratch] + [0] * (width - 1)] * pad
         self.host_tables[:bs, :width] = torch.tensor(rows, dtype=torch.int32)
         # Columns past `width` keep stale block ids: the kernels read only the blocks of seq_len.
         self.dev64[:, :bs].copy_(self.host64[:, :bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(self.host_lens[:bs], non_blocking=True)
+        self.lens[:, :bs].copy_(self.host_lens[:, :bs], non_blocking=True)
         self.tables[:bs, :width].copy_(self.host_tables[:bs, :width], non_blocking=True)
         if ids is not None:
             self.dev64[0, :step_rows].copy_(ids)  # after the host copy, on the same stream
@@ -150,26 +168,32 @@ class DecodeGraphs:
         buckets: list[int],
         max_context: int,
         keep_hidden: bool = False,
+        row_groups: bool = True,
     ):
+        """`row_groups`: capture the grouped form too where the model's heads group
+        (decode_group_rows; not under MLAC_MLA_ROW_GROUPS=0)."""
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise MlacError(f"CUDA-graph buckets must be ascending positive sizes, got {buckets}")
         self.model, self.cache, self.buckets = model, cache, list(buckets)
         device = model.device
         max_blocks = -(-max_context // cache.block_size)
-        self.inputs = DecodeInputs(buckets[-1], max_blocks, cache, device)
+        self.n_heads = model.layers[0].attn.n_local_heads
+        self.group_rows = decode_group_rows(self.n_heads, device) if row_groups and ROW_GROUPS else 1
+        self.inputs = DecodeInputs(buckets[-1], max_blocks, cache, device, self.group_rows)
         self.logits = torch.empty(buckets[-1], model.config.vocab_size, dtype=torch.float32, device=device)
         # keep_hidden: the final hidden states too (speculative decoding's MTP layer reads them)
         d = model.config.hidden_size
         self.hidden = torch.empty(buckets[-1], d, dtype=model.dtype, device=device) if keep_hidden else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.grouped_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # buckets > 1, grouped form
         self.pool = None
 
     @property
     def max_bs(self) -> int:
         return self.buckets[-1]
 
-    def _step(self, bs: int) -> None:
-        ids, batch = self.inputs.batch(bs)
+    def _step(self, bs: int, grouped: bool = False) -> None:
+        ids, batch = self.inputs.batch(bs, grouped)
         hidden = self.model(ids, batch, self.cache)
         self.logits[:bs].copy_(self.model.logits(hidden))
         if self.hidden is not None:
@@ -177,8 +201,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one pool (capture_buckets)."""
+        """Capture every bucket, largest first, into one pool (capture_buckets); then, where rows
+        group, every bucket above 1 again in the grouped form, into the same pool."""
         self.graphs, self.pool = capture_buckets(self.buckets, self._step, self.pool)
+        if self.group_rows > 1:
+            multi = [bs for bs in self.buckets if bs > 1]
+            step = lambda bs: self._step(bs, grouped=True)  # noqa: E731
+            self.grouped_graphs, self.pool = capture_buckets(multi, step, self.pool)
+
+    def grouped(self, step: Step) -> bool:
+        """Whether `step` runs in the grouped form (module docstring)."""
+        return self.group_rows > 1 and prefer_row_groups(step.q_lens, self.n_heads, self.model.device)
 
     def can_run(self, step: Step) -> bool:
         """A step of at most max_bs new tokens whose logits are those of each sequence's last."""
@@ -192,11 +225,12 @@ class DecodeGraphs:
         the padding and the flattened rows that way. `ids`: the token ids on the device (fill)."""
         bs = pick_bucket(self.buckets, len(step.token_ids))
         self.inputs.fill(step, bs, ids)
-        graph = self.graphs.get(bs)
+        grouped = self.grouped(step)
+        graph = (self.grouped_graphs if grouped else self.graphs).get(bs)
         if graph is not None:
             graph.replay()
         else:
-            self._step(bs)
+            self._step(bs, grouped)
         if step.is_decode:
             return self.logits[: step.num_seqs]
         last = list(itertools.accumulate(step.q_lens, initial=-1))[1:]  # each sequence's last row

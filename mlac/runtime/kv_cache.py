@@ -246,6 +246,7 @@ class ForwardBatch:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: packed new-token offsets
     cu_seqlens_kv: torch.Tensor  # [B + 1] int32: packed offsets of all tokens (kv_slots)
     kv_slots: torch.Tensor  # [sum(seq_lens)] int64: every token's slot, per sequence (extend only)
+    row_groups: torch.Tensor | None = None  # [2, B] int32: decode rows grouped per sequence (mla_decode)
 
     @property
     def num_seqs(self) -> int:

@@ -31,6 +31,7 @@ from mlac.kernels.activation import silu_mul, silu_mul_quant
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.mla_prep import mla_prep
 from mlac.kernels.moe import SharedExperts, fused_moe
+from mlac.kernels.moe_routing import RoutingSpec
 from mlac.kernels.router_gemv import gate_and_route
 from mlac.runtime.attention_forms import decode_absorbed, extend_absorbed, extend_mha, prefer_absorbed
 from mlac.runtime.dp_attention import TokenExchange
@@ -127,7 +128,7 @@ class MLAttention(nn.Module):
         kv, kv_scale = cache.layers[self.layer], cache.kv_scale(self.layer)  # [blocks, block_size, C + R]
         return decode_absorbed(
             q_nope, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale, kv_scale,
-            self.w_kc, self.w_vc, quant_out=self.wo.fp8,
+            self.w_kc, self.w_vc, quant_out=self.wo.fp8, row_groups=batch.row_groups,
         )  # fmt: skip
 
     def extend(
@@ -184,6 +185,7 @@ class MoE(nn.Module):
         super().__init__()
         p = f"{prefix or f'layers.{layer}'}.moe"
         self.config = config
+        self.routing = RoutingSpec.from_config(config)
         self.ctx = ctx
         self.n_local_experts = config.n_routed_experts // ctx.ep
         self.first_expert = ctx.rank * self.n_local_experts if ctx.ep > 1 else 0
@@ -204,21 +206,9 @@ class MoE(nn.Module):
     def partial(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:  # [T, D] -> [T, D], this rank's partial sum
         """x [T, D], or its Fp8Act carrying x (Reads.FP8_AND_X)."""
         x, x_act = (x.x, x) if isinstance(x, Fp8Act) else (x, None)
-        c = self.config
         # Router logits [T, E] in float32 (the gate is float32: loader.ROUTER), then routing: one
         # launch at decode (router_gemv; MLAC_ROUTER_KERNEL=0: F.linear, then route).
-        weights, ids = gate_and_route(  # [T, top_k] each
-            x,
-            self.gate,
-            top_k=c.num_experts_per_tok,
-            method=c.topk_method,
-            scoring=c.scoring_func,
-            n_group=c.n_group,
-            topk_group=c.topk_group,
-            norm_topk_prob=c.norm_topk_prob,
-            routed_scaling_factor=c.routed_scaling_factor,
-            bias=self.gate_bias,
-        )
+        weights, ids = gate_and_route(x, self.gate, self.routing, self.gate_bias)  # [T, top_k] each
         if self.first_expert:
             ids = ids - self.first_expert  # ids of other ranks' experts fall outside [0, E_local)
         # the shared experts' partial is summed in: inside the routed experts' launches at decode shapes

@@ -32,7 +32,8 @@ prefix matches and preemption victims all come from that rank's pool.
 
 Overlap (`SchedulerConfig.overlap`, overlap.py): a pure decode step is launched and sampled on the
 device, and the next step launches its successor from the device-side ids before the host reads
-and appends its tokens: a step returns the news of the step before it.
+and appends its tokens: a step returns the news of the step before it. Under speculation, greedy
+one-replay chain steps do the same (spec_overlap.py).
 
 The oldest sequence is never preempted by another, so it always progresses: no request is
 dropped, and every request finishes. The scheduler is single-threaded; callers on other threads
@@ -71,7 +72,8 @@ class SchedulerConfig:
     prefix_cache: bool = True  # reuse cached prompt prefixes (radix cache, prefix_cache.py)
     speculative_num_steps: int = 0  # MTP draft tokens verified per decode step (spec_decode.py); 0: off
     # host work of decode step N while the device runs N + 1 (overlap.py). None: on CUDA; True: on
-    # wherever the runner runs here (CPU too: tests); off for multi-rank runners and speculation
+    # wherever the runner runs here (CPU too: tests); speculation's greedy chain steps have their
+    # own (spec_overlap.py, one rank)
     overlap: bool | None = None
 
     def __post_init__(self) -> None:
@@ -257,9 +259,9 @@ class Scheduler:
         self.prefix_query_tokens = 0  # prompt tokens looked up in it
         alloc = self.cache.allocator
         self._watermark = max(1, alloc.num_blocks // 100)  # blocks kept free when admitting
-        k = self.config.speculative_num_steps
-        self.spec = SpecDecoder(runner, k) if k else None  # speculative decoding (opt-in)
         on = self.config.overlap if self.config.overlap is not None else on_by_default(runner)
+        k = self.config.speculative_num_steps
+        self.spec = SpecDecoder(runner, k, overlap=on) if k else None  # speculative decoding (opt-in)
         self.overlap = Overlap(runner) if on and self.spec is None and can_overlap(runner) else None
 
     # ---- requests ----------------------------------------------------------------------------
@@ -283,17 +285,22 @@ class Scheduler:
     def _drain_quietly(self) -> list[Sequence]:
         """Land the step in flight, if any. If that fails (the device's error, say), its tokens stay
         unread: every sequence is being aborted anyway."""
-        if self.overlap is None or self.overlap.flight is None:
+        if not self.in_flight:
             return []
         try:
-            return self.overlap.drain(self)
+            return self._flier.drain(self)
         except Exception:  # noqa: BLE001  (the caller is aborting everything, maybe after this error)
             return []
 
     @property
     def in_flight(self) -> bool:
         """Whether a decode step's tokens are still on the device (overlap): the next step lands them."""
-        return self.overlap is not None and self.overlap.flight is not None
+        return self._flier is not None and self._flier.flight is not None
+
+    @property
+    def _flier(self):
+        """What launches steps ahead: overlap.py's Overlap, or speculation's own (spec_overlap.py)."""
+        return self.spec.overlap if self.spec is not None else self.overlap
 
     @property
     def has_unfinished(self) -> bool:
@@ -321,10 +328,10 @@ class Scheduler:
         overlap, a decode step's news come with the next step (overlap.py)."""
         news = []
         if self.in_flight:
-            steady = self.overlap.advance(self)
+            steady = self._flier.advance(self)
             if steady is not None:
                 return steady
-            news = self.overlap.drain(self)
+            news = self._flier.drain(self)
         news += self._apply_aborts()
         plan = self._schedule()
         if plan:

@@ -20,6 +20,8 @@ slots, sequence lengths and tables are views of one derivation.
                 are final, those past them provisional (rewritten before they are read)
     state     = g'[a * bs + i], d_0' = argmax head(that)                  (the next step's input)
     out[i]    = [d_0..d_{K-1}, top_0..top_K] of sequence i                [bs, 2K + 1]: one transfer
+    nxt[:, i] = (top_a, c + a + 1): the next step's last token and cached length, so that the
+                next step of the same sequences can start before the host reads out (run_next)
 
 A sequence that stays in the batch keeps its state in the graph's rows (`g`, `tokens`), so a
 steady batch needs nothing but the one copy in and the one copy out. The refresh is exact for a
@@ -71,6 +73,13 @@ class ChainInputs:
         self.dev[:n].copy_(self.host[:n], non_blocking=True)  # the step's one copy in
         if self.copied is not None:
             self.copied.record()
+
+    def follow(self, nxt: torch.Tensor, bs: int) -> None:
+        """Rows [0, N) take their last tokens and cached lengths from nxt [2, N] on the device (a
+        step that follows the last one: ChainGraphs.nxt), over what `fill` wrote (stream order)."""
+        n = nxt.shape[1]
+        self.dev[1 : 1 + n].copy_(nxt[0])
+        self.dev[1 + bs : 1 + bs + n].copy_(nxt[1])
 
     def unpack(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(last tokens [bs], cached lengths [bs], block tables [bs, max_blocks]) on the device, from
@@ -133,6 +142,8 @@ class ChainGraphs:
         self.g = torch.zeros(max_bs, d, dtype=model.dtype, device=device)  # [bs, D] the state
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [bs] each d_0
         self.out = torch.zeros(max_bs, 2 * k + 1, dtype=torch.int64, device=device)
+        # [2, bs]: each sequence's next last token t_{n+a} and cached length n + a, as accepted
+        self.nxt = torch.zeros(2, max_bs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -161,6 +172,8 @@ class ChainGraphs:
         self.g[:bs].copy_(g.index_select(0, rows))
         self.tokens[:bs].copy_(self.pick(self.g[:bs], ctx + a + 2))  # token n + a + 1
         self.out[:bs].copy_(torch.cat([ids[bs:].view(k, bs), top.view(k + 1, bs)]).t())
+        self.nxt[0, :bs].copy_(top.view(k + 1, bs).gather(0, a[None])[0])
+        self.nxt[1, :bs].copy_(ctx + a + 1)
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -188,6 +201,20 @@ class ChainGraphs:
         n = len(last)
         bs = pick_bucket(self.buckets, n)
         self.inputs.fill(last, ctx, tables, bs)
+        return self._replay(n, bs)
+
+    @torch.inference_mode()
+    def run_next(self, tables: list) -> torch.Tensor:
+        """`run` of the next step of the same B sequences in the same rows, launched before the host
+        has read this one's results: their last tokens and cached lengths come from `nxt`, on the
+        device. `tables`: blocks for the worst case (K + 1 accepted now, then K + 1 positions)."""
+        n = len(tables)
+        bs = pick_bucket(self.buckets, n)
+        self.inputs.fill([0] * n, [0] * n, tables, bs)
+        self.inputs.follow(self.nxt[:, :n], bs)
+        return self._replay(n, bs)
+
+    def _replay(self, n: int, bs: int) -> torch.Tensor:
         graph = self.graphs.get(bs)
         if graph is not None:
             graph.replay()

@@ -38,8 +38,10 @@ speculative step is K draft replays (K - 1 chained, one refresh), one verify rep
 sync (was K + 1 syncs). With CUDA graphs, when every sequence drafts K and none asks for
 logprobs, the whole of it (drafts, verify, acceptance, refresh) is ONE graph replay
 (spec_chain.py): the host writes one buffer, replays, reads one back, and here only appends the
-tokens and keeps the books (`_refresh` with `refreshed`). Sampled requests, grammars and steps
-with prefill chunks take the host-side flow above (a sync per draft step).
+tokens and keeps the books (`_land_chain`; `_refresh` only when a sequence left). With overlap
+scheduling (spec_overlap.py, one rank) the next such step is launched from this one's results on
+the device before the host lands them. Sampled requests, grammars and steps with prefill chunks
+take the host-side flow above (a sync per draft step).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import torch
 from mlac.errors import MlacError
 from mlac.runtime.sampling import token_logprobs
 from mlac.runtime.spec_exec import to_host
+from mlac.runtime.spec_overlap import SpecOverlap
 from mlac.runtime.spec_sampling import accept_greedy, accept_sampled, draw, filtered_probs
 from mlac.runtime.step import Step
 
@@ -67,6 +70,9 @@ class Draft:
     token: int | None  # d_0: the MTP's prediction of the token after the sequence's last (None:
     # greedy, kept on the device: SpecExecutor.tokens)
     probs: torch.Tensor | None  # [V] the distribution d_0 was drawn from (None: greedy)
+
+
+GREEDY = Draft(None, None)  # every greedy sequence's Draft (its d_0 is on the device); never changed
 
 
 @dataclass
@@ -133,7 +139,7 @@ class SpecDecoder:
     The host side: which tokens, which rows, what is accepted; the device work goes through the
     runner's SpecExecutor (spec_exec.py), on every rank."""
 
-    def __init__(self, runner, num_steps: int):
+    def __init__(self, runner, num_steps: int, overlap: bool = False):
         cache, model = runner.cache, runner.model
         check_spec(num_steps, len(model.mtp) > 0)
         if cache.extra_layers < 1:
@@ -143,6 +149,9 @@ class SpecDecoder:
         self.exec.prepare(num_steps)
         self.drafts: dict[int, Draft] = {}  # by seq_id
         self.stats = SpecStats()
+        # greedy chain steps launched one ahead (spec_overlap.py): one rank only
+        self.overlap = SpecOverlap(self) if overlap and self.exec.send is None else None
+        self.ahead = 0  # tokens past each sequence's end that a step in flight writes (kept at roll-back)
 
     def num_drafts(self, seq, max_context: int) -> int:
         """Drafts to verify for decoding `seq`: K, fewer near its context or max_tokens end; none
@@ -186,12 +195,34 @@ class SpecDecoder:
         base = Step.of([[s.output_ids[-1]] for s, _ in plan], [s.num_computed for s, _ in plan],
                        [s.block_table for s, _ in plan])  # fmt: skip
         want_logits = any(s.params.logprobs is not None for s, _ in plan)
+        if self.overlap is not None and not want_logits and all(k == self.num_steps for k in ks):
+            if self.overlap.start(plan):
+                return []  # its news come with the next step
         found, top, logits, refreshed = self.exec.chain([s.seq_id for s, _ in plan], ks, base, self.num_steps,
                                                         want_logits)  # fmt: skip
+        if refreshed:
+            return self._land_chain(sched, [s for s, _ in plan], found, top)
         drafts = {s.seq_id: (d, [None] * len(d)) for (s, _), d in zip(plan, found, strict=True)}
         starts = [0, *itertools.accumulate(k + 1 for k in ks)]
         where = list(itertools.pairwise(starts))
         return self._finish(sched, plan, drafts, starts, where, logits, top, True, refreshed)
+
+    def _land_chain(self, sched, seqs: list, found: list[list[int]], top: list[int]) -> list:
+        """`_finish` of a one-replay chain step of `seqs` (every one greedy, K drafts, refreshed on
+        the device): per sequence its acceptance, appends and roll-back; the books only when a
+        sequence left (in the steady state every Draft stays as it is, on the device). A sequence
+        that finished meanwhile (overlap: at the step before) drops its rows."""
+        k1, news = self.num_steps + 1, []
+        for j, s in enumerate(seqs):
+            if not s.finished:
+                self._verify(sched, s, None, top[j * k1 : (j + 1) * k1], found[j], ())
+                news.append(s)
+        gone = [s for s in news if s.finished]
+        for s in gone:
+            sched._release(s)
+        if gone or len(self.drafts) != len(news):  # else: the same sequences keep the same Drafts
+            self._refresh([(s, 0, 0, 1) for s in news if not s.finished], sched, True, True)
+        return news
 
     def _finish(
         self,
@@ -304,7 +335,7 @@ class SpecDecoder:
             self._roll_back(seq)
             return 1
         if seq.params.greedy:
-            emitted = accept_greedy(drafts, top)
+            emitted = accept_greedy(drafts, top)  # (logits: None in a chain step, without logprobs)
         else:
             p = filtered_probs(logits, [seq.params] * len(top))
             q = torch.stack(probs) if drafts else p[:0]
@@ -333,8 +364,9 @@ class SpecDecoder:
         s.emitted += emitted
 
     def _roll_back(self, seq) -> None:
-        """Free the blocks past the sequence's tokens (those that held only rejected drafts)."""
-        keep = self.allocator.blocks_for(seq.num_tokens)
+        """Free the blocks past the sequence's tokens (those that held only rejected drafts), but
+        those of the `ahead` positions after them that a step in flight writes."""
+        keep = self.allocator.blocks_for(seq.num_tokens + self.ahead)
         if len(seq.block_table) > keep:
             self.allocator.free(seq.block_table[keep:])
             del seq.block_table[keep:]
@@ -364,7 +396,7 @@ class SpecDecoder:
                 self.drafts[s.seq_id] = Draft(t, q)
         for s, _ in ready:
             if s.params.greedy:
-                self.drafts[s.seq_id] = Draft(None, None)
+                self.drafts[s.seq_id] = GREEDY
         live = {s.seq_id for s in sched.running if s.decoding}
         self.drafts = {i: d for i, d in self.drafts.items() if i in live}
         ids = sorted(self.drafts)

@@ -14,6 +14,10 @@ spec_decode.py decides on the host (rank 0) what runs; each decision is one op h
                                  transfer to the host at its end (drafts and target argmax)
     prepare(k)                   make (on a GPU: capture) the ChainGraphs of K = k now, not at
                                  the first step that needs them
+    launch(seq_ids, k, tables, first)
+                                 chain's one replay without waiting for it (one rank): its results
+                                 come later (Launched.read); first=None launches the next step of
+                                 the same sequences from the last one's results on the device
 
 `src` names a state: "hidden" (the last target's), "g" (the last draft's) or "store" (rows are
 seq_ids: each decoding sequence's last MTP output, the chain's first input). On rank 0 of a
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -88,6 +93,27 @@ def step_of_ints(ints: list[int]) -> tuple[Step, list[int]]:
     ids, ctx, q, lens, flat = parts
     tables = tuple(tuple(flat[i * w : i * w + n]) for i, n in enumerate(lens))
     return Step(tuple(ids), tuple(ctx), tuple(q), tables), ints[at:]
+
+
+def split_out(out: list[list[int]], k: int) -> tuple[list[list[int]], list[int]]:
+    """A ChainGraphs' out as host lists -> (each sequence's drafts, the target's argmax of every
+    verified row, sequence after sequence)."""
+    return [row[:k] for row in out], [t for row in out for t in row[k:]]
+
+
+@dataclass(eq=False)
+class Launched:
+    """A one-replay chain step whose out [B, 2K + 1] is on its way to the host (SpecExecutor.launch)."""
+
+    host: torch.Tensor  # pinned on CUDA; written once `done` has passed
+    done: torch.cuda.Event | None  # None on CPU: nothing to wait for
+    k: int
+
+    def read(self) -> tuple[list[list[int]], list[int]]:
+        """(drafts, the target's argmax of every verified row), as `SpecExecutor.chain` returns them."""
+        if self.done is not None:
+            self.done.synchronize()
+        return split_out(to_host(self.host), self.k)
 
 
 class SpecExecutor:
@@ -291,6 +317,12 @@ class SpecExecutor:
         self, graphs: ChainGraphs, seq_ids: list[int], base: Step
     ) -> tuple[list[list[int]], list[int]]:
         """`chain` as one ChainGraphs replay: (drafts, the target's argmax of every verified row)."""
+        self._make_resident(graphs, seq_ids)
+        out = graphs.run(list(base.token_ids), list(base.ctx_lens), list(base.block_tables))
+        return split_out(to_host(out), graphs.k)
+
+    def _make_resident(self, graphs: ChainGraphs, seq_ids: list[int]) -> None:
+        """The states of seq_ids in rows 0.. of `graphs`, in that order (loaded when they are not)."""
         if tuple(seq_ids) != self.resident or graphs is not self.resident_in:
             self.evacuate()
             graphs.load(
@@ -299,9 +331,30 @@ class SpecExecutor:
             for i in seq_ids:
                 del self.store[i], self.tokens[i]
             self.resident, self.resident_in = tuple(seq_ids), graphs
-        out = to_host(graphs.run(list(base.token_ids), list(base.ctx_lens), list(base.block_tables)))
-        k = graphs.k
-        return [row[:k] for row in out], [t for row in out for t in row[k:]]
+
+    @torch.inference_mode()
+    def launch(
+        self, seq_ids: list[int], k: int, tables: list, first: tuple[list[int], list[int]] | None
+    ) -> Launched | None:
+        """`chain`'s one-replay step, launched and its results on their way to the host, not waited
+        for (overlap: spec_decode.SpecDecoder.advance). `first`: the sequences' (last tokens, cached
+        lengths); None: they follow the last launch (the same sequences, in the same rows), which
+        left theirs on the device. One rank only; None where `chain` would not run one replay."""
+        graphs = self._chain_graphs(k, len(seq_ids)) if self.send is None else None
+        follows = tuple(seq_ids) == self.resident and graphs is self.resident_in
+        if graphs is None or (first is None and not follows):
+            return None
+        if first is None:
+            out = graphs.run_next(tables)
+        else:
+            self._make_resident(graphs, seq_ids)
+            out = graphs.run(*first, tables)
+        if out.device.type != "cuda":
+            return Launched(out.clone(), None, k)  # the next step overwrites out
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(host, done, k)
 
     def _chain(self, seq_ids: list[int], ks: list[int], base: Step) -> tuple[torch.Tensor, list[list[int]]]:
         """(flat [B + sum k] int64 on the device: base's token ids, then the drafts d_0 of every

@@ -19,6 +19,7 @@ except ImportError:  # tests/ is not a package: pytest put this folder on sys.pa
 quant_mod, gemm_mod, moe_mod = _util.kernel_modules()  # before anything else imports triton
 
 from mlac.kernels import activation, norm_rope  # noqa: E402
+from mlac.kernels.moe_routing import RoutingSpec, route_ref  # noqa: E402
 
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
@@ -138,7 +139,7 @@ def _moe_case(t: int, d: int, i: int, e: int, top_k: int, seed: int):
     w13, s13 = _util.random_fp8_weight(2 * i, d, lead=(e,), device=DEV, scale=0.02 / d**0.5)
     w2, s2 = _util.random_fp8_weight(d, i, lead=(e,), device=DEV, scale=0.02 / i**0.5)
     g = torch.Generator().manual_seed(seed)
-    weights, ids = moe_mod.route_ref(torch.randn(t, e, generator=g), top_k, "greedy", "softmax")
+    weights, ids = route_ref(torch.randn(t, e, generator=g), RoutingSpec(e, top_k, "greedy", "softmax"))
     return x, w13, w2, s13, s2, weights.to(DEV), ids.to(DEV)
 
 

@@ -20,6 +20,8 @@ DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
 _, gemm_mod, moe_mod = _util.kernel_modules()
 
+from mlac.kernels.moe_routing import RoutingSpec, route_ref  # noqa: E402
+
 
 def _experts(e: int, d: int, i: int, fp8: bool, seed: int, device=DEV):
     g = torch.Generator(device=device).manual_seed(seed)
@@ -38,7 +40,7 @@ def _experts(e: int, d: int, i: int, fp8: bool, seed: int, device=DEV):
 def _routing(t: int, e: int, top_k: int, seed: int, n_invalid: int = 0, device=DEV):
     """Random top-k routing; `n_invalid` pairs point at experts of another rank (ids >= E or -1)."""
     g = torch.Generator().manual_seed(seed)
-    weights, ids = moe_mod.route_ref(torch.randn(t, e, generator=g), top_k, "greedy", "softmax")
+    weights, ids = route_ref(torch.randn(t, e, generator=g), RoutingSpec(e, top_k, "greedy", "softmax"))
     flat = ids.view(-1)
     bad = torch.randperm(flat.numel(), generator=g)[:n_invalid]
     flat[bad] = torch.where(torch.arange(bad.numel()) % 2 == 0, e + 5, -1)

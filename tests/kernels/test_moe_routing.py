@@ -1,4 +1,4 @@
-"""MoE routing: the Triton kernel (mlac.kernels.moe_routing) against moe.route_ref.
+"""MoE routing: the Triton kernel (mlac.kernels.moe_routing) against its route_ref.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 (set by _util before triton is imported)
 on small token counts; tests marked gpu run the V2-Lite and V3 shapes and are skipped without CUDA.
@@ -14,9 +14,14 @@ on the GPU, against torch's): a few roundings of 2^-24 each.
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
+
+from mlac.config import ModelConfig
+from mlac.errors import MlacError
 
 try:
     from tests.kernels import _util
@@ -28,7 +33,7 @@ needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 RTOL = 1e-6
 
-_, _, moe_mod = _util.kernel_modules()
+_util.kernel_modules()  # fp8_quant (moe_routing's @jit) interpreted without CUDA
 routing = importlib.import_module("mlac.kernels.moe_routing")
 if _util.HAS_TRITON and not _util.HAS_CUDA and type(routing._route_kernel).__name__ != "InterpretedFunction":
     routing = importlib.reload(routing)  # imported earlier in compiled mode: interpret it
@@ -42,10 +47,10 @@ def _inputs(t: int, e: int, with_bias: bool, seed: int, device=DEV):
 
 
 def _check(logits, bias, top_k, method, scoring, n_group=1, topk_group=1, norm=False, scale=1.0):
-    args = (top_k, method, scoring, n_group, topk_group, norm, scale)
+    spec = routing.RoutingSpec(logits.shape[1], top_k, method, scoring, n_group, topk_group, norm, scale)
     with _util.poisoned_empty():
-        weights, ids = routing.route(logits, *args, bias=bias, use_triton=True)
-    ref_weights, ref_ids = moe_mod.route_ref(logits, *args, bias=bias)
+        weights, ids = routing.route(logits, spec, bias, use_triton=True)
+    ref_weights, ref_ids = routing.route_ref(logits, spec, bias)
     assert ids.dtype == ref_ids.dtype and torch.equal(ids, ref_ids), (ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=RTOL, atol=0)
 
@@ -101,11 +106,11 @@ def test_group_limited_greedy_drops_groups_to_zero():
 
 @needs_triton
 def test_route_no_tokens():
-    weights, ids = routing.route(torch.empty(0, 64, device=DEV), 6, "greedy", "softmax", use_triton=True)
+    spec = routing.RoutingSpec(64, 6, "greedy", "softmax")
+    weights, ids = routing.route(torch.empty(0, 64, device=DEV), spec, use_triton=True)
     assert weights.shape == ids.shape == (0, 6) and ids.dtype == torch.int64
 
 
-@needs_triton
 @pytest.mark.parametrize(
     "e,top_k,method,n_group,topk_group,message",
     [
@@ -117,9 +122,35 @@ def test_route_no_tokens():
     ],
 )
 def test_route_rejects_bad_arguments(e, top_k, method, n_group, topk_group, message):
-    logits, _ = _inputs(2, e, False, seed=0)
-    with pytest.raises(AssertionError, match=message):
-        routing.route_triton(logits, top_k, method, "sigmoid", n_group, topk_group)
+    """Checked once, where the spec is made, for every path (Triton and the reference)."""
+    with pytest.raises(MlacError, match=f"^routing: .*{message}"):
+        routing.RoutingSpec(e, top_k, method, "sigmoid", n_group, topk_group)
+
+
+@pytest.mark.parametrize(
+    "method,scoring,message",
+    [("top_k", "softmax", "unknown topk_method 'top_k'"), ("greedy", "tanh", "unknown scoring_func 'tanh'")],
+)
+def test_spec_refuses_unknown_names(method, scoring, message):
+    with pytest.raises(MlacError, match=f"^routing: {message}"):
+        routing.RoutingSpec(64, 6, method, scoring)
+
+
+def test_spec_from_config_and_its_weight_rule():
+    """A checkpoint's routing fields land in the spec as they are; the weight rule is route_ref's."""
+
+    def spec(name):
+        raw = json.loads((Path(__file__).resolve().parent.parent / "configs" / f"{name}.json").read_text())
+        return routing.RoutingSpec.from_config(ModelConfig.from_hf(raw))
+
+    v3 = spec("DeepSeek-V3")
+    assert v3 == routing.RoutingSpec(256, 8, "noaux_tc", "sigmoid", 8, 4, True, 2.5)
+    assert (v3.groups, v3.group_size, v3.weight_rule) == (8, 32, (True, 2.5))
+    v2 = spec("DeepSeek-V2")
+    assert v2.method == "group_limited_greedy" and (v2.groups, v2.topk_group) == (8, 3)
+    assert v2.weight_rule == (False, 16.0)  # V2: the factor, no renormalization
+    greedy = routing.RoutingSpec(72, 8, "greedy", "softmax", 8, 3, True, 16.0)  # groups ignored
+    assert (greedy.grouped, greedy.group_size, greedy.weight_rule) == (False, 72, (True, 1.0))
 
 
 def test_cpu_dispatch_runs_reference(monkeypatch):
@@ -131,8 +162,8 @@ def test_cpu_dispatch_runs_reference(monkeypatch):
 
     monkeypatch.setattr(routing, "route_triton", no_triton)
     logits, bias = _inputs(5, 64, True, seed=1, device="cpu")
-    args = (logits, 6, "noaux_tc", "sigmoid", 8, 4, True, 2.5, bias)
-    for out, ref in zip(routing.route(*args), moe_mod.route_ref(*args), strict=True):
+    args = (logits, routing.RoutingSpec(64, 6, "noaux_tc", "sigmoid", 8, 4, True, 2.5), bias)
+    for out, ref in zip(routing.route(*args), routing.route_ref(*args), strict=True):
         assert torch.equal(out, ref)
 
 
