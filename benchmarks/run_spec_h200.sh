@@ -9,11 +9,12 @@
 # CONFIG (small): the train_small.py recipe; `deep` is as deep as V2-Lite (27 layers), where the MTP
 # draft is 1/28 of the model, not 1/7 (`CONFIG=deep TRAIN_MIN=5` for issue #14's measurement). With
 # CKPT set, CONFIG only names the output files. It is in every bench file's name and in log.txt.
-# Env: CKPT (skip training), TRAIN_MIN (10), ARTS ("bf16 fp8"), STEPS ("1 2 3"), BATCHES, INPUT_LEN, OUTPUT_LEN.
+# Env: CKPT (skip training), TRAIN_MIN (10), ARTS ("bf16 fp8"), STEPS ("1 2 3"), BATCHES, INPUT_LEN, OUTPUT_LEN,
+# NO_OVERLAP_TOO (each K also with --disable-overlap-schedule: bench_${CONFIG}_${art}_k${K}_no_overlap.json).
 # $OUT: bench_${CONFIG}_{bf16,fp8}_{plain,k1,k2,k3}.json, tests.txt, train.log, train_report_$CONFIG.json, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mtp_spec.py tests/test_mtp_spec_chain.py tests/test_graphs.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mtp_spec.py tests/test_mtp_spec_chain.py tests/test_mtp_spec_overlap.py tests/test_graphs.py \
   >"$OUT/tests.txt" 2>&1; stamp "gpu tests rc=$?"; tail -5 "$OUT/tests.txt"
 CONFIG=${CONFIG:-small}; C=${CKPT:-$W/$CONFIG}; stamp "config $CONFIG, checkpoint $C"
 if [ -z "${CKPT:-}" ]; then
@@ -28,5 +29,9 @@ for art in ${ARTS:-bf16 fp8}; do
   $B $W/$art --profile --json "$OUT/bench_${CONFIG}_${art}_plain.json"; stamp "bench $CONFIG $art plain rc=$?"
   for k in ${STEPS:-1 2 3}; do
     $B $W/$art --profile --speculative-num-steps $k --json "$OUT/bench_${CONFIG}_${art}_k$k.json"; stamp "bench $CONFIG $art k=$k rc=$?"
+    if [ -n "${NO_OVERLAP_TOO:-}" ]; then
+      $B $W/$art --speculative-num-steps $k --disable-overlap-schedule --json "$OUT/bench_${CONFIG}_${art}_k${k}_no_overlap.json"
+      stamp "bench $CONFIG $art k=$k --disable-overlap-schedule rc=$?"
+    fi
   done
 done
