@@ -139,15 +139,20 @@ class DecodeInputs:
             positions = [c + j for c, q in zip(step.ctx_lens, step.q_lens, strict=True) for j in range(q)]
             tables = [t for t, q in zip(step.block_tables, step.q_lens, strict=True) for _ in range(q)]
         slots = [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)]
+        # block tables: one padded row per sequence, repeated for its flattened rows (a 64-token
+        # suffix over a 2,000-token prefix would otherwise build 64 rows of 130 ids in Python)
+        seq_rows = torch.tensor([list(t) + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32)
+        if not step.is_decode:
+            seq_rows = seq_rows.repeat_interleave(torch.tensor(step.q_lens), dim=0)
         self.host64[:, :bs] = torch.tensor(
             [list(step.token_ids) + [0] * pad, positions + [0] * pad, slots + [self.scratch * size] * pad]
         )
         lead, kv_len = row_groups_host(step.ctx_lens, step.q_lens, self.group_rows, pad)
         lens = [p + 1 for p in positions] + [1] * pad
         self.host_lens[:, :bs] = torch.tensor([lens, lead, kv_len], dtype=torch.int32)
-        rows = [list(t) + [0] * (width - len(t)) for t in tables]
-        rows += [[self.scratch] + [0] * (width - 1)] * pad
-        self.host_tables[:bs, :width] = torch.tensor(rows, dtype=torch.int32)
+        self.host_tables[:step_rows, :width] = seq_rows
+        self.host_tables[step_rows:bs, :width] = 0
+        self.host_tables[step_rows:bs, 0] = self.scratch  # padding rows: the scratch block
         # Columns past `width` keep stale block ids: the kernels read only the blocks of seq_len.
         self.dev64[:, :bs].copy_(self.host64[:, :bs], non_blocking=True)
         self.lens[:, :bs].copy_(self.host_lens[:, :bs], non_blocking=True)
