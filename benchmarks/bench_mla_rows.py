@@ -1,7 +1,7 @@
 """Benchmark: MLA decode rows of one sequence grouped (one program loads each KV tile for all its
 rows) against one program per row (issues #15, prefix TTFT, and #14, speculative verify).
 
-    python benchmarks/bench_mla_rows.py [--json results/mla_rows_h200.json] [--max-context 8192]
+    python benchmarks/bench_mla_rows.py [--json results/mla_rows_h200.json] [--max-context 8192] [--sweep]
 
 Cases (kv_lora 512, rope 64, 64-token pages, bf16 queries; bf16 and FP8 e4m3 caches):
   prefix64   64 rows of one sequence after a 2,000-token prefix (a flattened 64-token suffix), 16 heads
@@ -81,14 +81,14 @@ def measure(name: str, kv_dtype: torch.dtype, max_context: int, ceiling: float) 
     heads, ctx_lens, q_lens = CASES[name]
     args, kv_scale, kv_bytes = inputs(heads, ctx_lens, q_lens, max_context, kv_dtype)
     q_lat, cache, table = args[0], args[2], args[3]
-    rows = decode_group_rows(heads, q_lat.device)
+    rows = decode_group_rows(heads, q_lat.device, kv_dtype)
     groups = row_groups(ctx_lens, q_lens, rows, q_lat.device)
     forms = {
         "per_row": dict(num_splits=decode_num_splits(q_lat, cache, table)),
         "grouped": dict(num_splits=decode_num_splits(q_lat, cache, table, grouped=True), row_groups=groups),
     }
     row = {"case": name, "kv": str(kv_dtype).removeprefix("torch."), "rows": len(q_lat), "heads": heads}
-    row |= {"group_rows": rows, "rule_grouped": prefer_row_groups(q_lens, heads, q_lat.device)}
+    row |= {"group_rows": rows, "rule_grouped": prefer_row_groups(q_lens, heads, q_lat.device, kv_dtype)}
     out = {}
     for form, kw in forms.items():
         call = lambda kw=kw: mla_decode_triton(*args, kv_scale=kv_scale, **kw)  # noqa: E731
@@ -102,11 +102,77 @@ def measure(name: str, kv_dtype: torch.dtype, max_context: int, ceiling: float) 
     return row
 
 
+SWEEP_CASES = [("prefix64", torch.bfloat16), ("prefix64", torch.float8_e4m3fn), ("verify4", torch.bfloat16)]
+
+
+def sweep_configs() -> list[dict]:
+    """Grouped-form launch settings to time (BLOCK_H 16: V2-Lite's heads)."""
+    return [
+        dict(
+            BLOCK_H=16,
+            ROWS=rows,
+            BLOCK_N=bn,
+            num_warps=w,
+            num_stages=st,
+            ctas_per_sm=c,
+            tile_in_page=True,
+            min_split_tiles=2,
+        )  # fmt: skip
+        for rows in (2, 4, 8)
+        for bn in (32, 64)
+        for w, st in ((4, 3), (8, 2), (8, 3))
+        for c in (1, 2)
+    ]
+
+
+def sweep(max_context: int, ceiling: float) -> list[dict]:
+    """The grouped form of SWEEP_CASES under each of sweep_configs(), fastest first per case, with
+    the per-row default of the same case; configs that fail or differ from per-row are dropped."""
+    out = []
+    for name, kv_dtype in SWEEP_CASES:
+        heads, ctx_lens, q_lens = CASES[name]
+        args, kv_scale, kv_bytes = inputs(heads, ctx_lens, q_lens, max_context, kv_dtype)
+        q_lat, cache, table = args[0], args[2], args[3]
+        ref = mla_decode_triton(*args, kv_scale=kv_scale)
+        per_row_us = graph_us([lambda a=args, s=kv_scale: mla_decode_triton(*a, kv_scale=s)], replays=20)
+        rows = []
+        for cfg in sweep_configs():
+            groups = row_groups(ctx_lens, q_lens, cfg["ROWS"], q_lat.device)
+            splits = decode_num_splits(q_lat, cache, table, cfg, grouped=True)
+            kw = dict(kv_scale=kv_scale, config=cfg, num_splits=splits, row_groups=groups)
+            try:
+                diff = (mla_decode_triton(*args, **kw).float() - ref.float()).abs().max().item()
+                if not diff < 5e-2:
+                    raise ValueError(f"max diff {diff}")
+                us = graph_us([lambda a=args, kw=kw: mla_decode_triton(*a, **kw)], replays=20)
+            except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the sweep
+                print(f"  {name} {cfg} FAILED {exc!r}"[:240], file=sys.stderr)
+                continue
+            rows.append(
+                {
+                    "config": cfg,
+                    "splits": splits,
+                    "us": round(us, 2),
+                    "of_copy": kv_bytes / us / 1e3 / ceiling,
+                }
+            )
+        rows.sort(key=lambda r: r["us"])
+        kv = str(kv_dtype).removeprefix("torch.")
+        out.append({"case": name, "kv": kv, "per_row_us": round(per_row_us, 2), "grouped": rows})
+        for r in rows[:3]:
+            print(f"  sweep {name:10} {kv:14} per-row {per_row_us:7.1f} us  grouped {r['us']:7.1f} us  "
+                  f"splits {r['splits']:3}  {r['config']}", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the rows (and the device) here")
     ap.add_argument("--max-context", type=int, default=8192, help="block-table width in tokens")
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time the grouped form under other launch settings"
+    )
     args = ap.parse_args()
     ceiling = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: device copy {ceiling:.0f} GB/s (the ceiling)")
@@ -124,9 +190,11 @@ def main() -> None:
                 f"{r['grouped_us']:>10.1f} {r['speedup']:>7.2f} {frac:>28} {rule:>7}",
                 flush=True,
             )
+    swept = sweep(args.max_context, ceiling) if args.sweep else []
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": ceiling}
-        args.json.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
+        meta["max_context"] = args.max_context
+        args.json.write_text(json.dumps({"meta": meta, "rows": results, "sweep": swept}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -367,9 +367,14 @@ if triton is not None:
 _CONFIGS = {  # the same for a bf16 and an FP8 cache
     "few": dict(BLOCK_H=16, ROWS=1, BLOCK_N=32, num_warps=4, num_stages=5, ctas_per_sm=2, tile_in_page=True, min_split_tiles=2),
     "many": dict(BLOCK_H=64, ROWS=1, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
-    "rows16": dict(BLOCK_H=16, ROWS=4, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
-    "rows32": dict(BLOCK_H=32, ROWS=2, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
+    "rows16": dict(BLOCK_H=16, ROWS=4, BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
+    "rows16_fp8": dict(BLOCK_H=16, ROWS=2, BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
+    "rows32": dict(BLOCK_H=32, ROWS=2, BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
 }  # fmt: skip
+# The grouped tiles (rows16*): the fastest of `bench_mla_rows.py --sweep` on an H200 (16 heads, graph-wide
+# tables of 163,840 tokens; benchmarks/results/mla_rows_h200.md): 64 rows after a 2,000-token prefix
+# 91.2 -> 50.1 us per layer (bf16 cache, 4 rows a program), 110.9 -> 79.1 (FP8, 2 rows a program: no
+# 4-row variant with 64-key tiles ran); 4 verify rows over 4,096 tokens 26.3 -> 21.8 (bf16). rows32 (17-32 heads) is not measured.
 GROUP_M = 64
 _CONFIG_INTERPRET = dict(
     BLOCK_H=16,
@@ -394,21 +399,24 @@ def default_config(
     if n_heads >= GROUP_M:
         return dict(_CONFIGS["many"])
     if grouped:
-        return dict(_CONFIGS["rows16" if n_heads <= 16 else "rows32"])
+        fp8 = kv_dtype in FP8_KV_DTYPES
+        return dict(_CONFIGS["rows32" if n_heads > 16 else "rows16_fp8" if fp8 else "rows16"])
     return dict(_CONFIGS["few"])
 
 
-def decode_group_rows(n_heads: int, device: torch.device) -> int:
-    """Rows of one sequence that one program of the grouped form takes (its ROWS); 1 where
-    grouping gains nothing (a head tile of 64 or more already fills the dots' M)."""
-    return default_config(n_heads, device, grouped=True)["ROWS"]
+def decode_group_rows(n_heads: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Rows of one sequence that one program of the grouped form takes (its ROWS) over a cache of
+    `kv_dtype`; 1 where grouping gains nothing (a head tile of 64 or more already fills the dots' M)."""
+    return default_config(n_heads, device, kv_dtype, grouped=True)["ROWS"]
 
 
-def prefer_row_groups(q_lens: Sequence[int], n_heads: int, device: torch.device) -> bool:
+def prefer_row_groups(
+    q_lens: Sequence[int], n_heads: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16
+) -> bool:
     """The form rule: the grouped form when some sequence runs more than one row (a flattened
     extend, a speculative verify) and rows group at all; pure decode (every q_len 1) keeps the
-    per-row form and its own tuned launch (a group of one would waste 3/4 of the grouped M)."""
-    return decode_group_rows(n_heads, device) > 1 and any(q > 1 for q in q_lens)
+    per-row form and its own tuned launch (a group of one would waste most of the grouped M)."""
+    return decode_group_rows(n_heads, device, kv_dtype) > 1 and any(q > 1 for q in q_lens)
 
 
 def row_groups_host(

@@ -183,7 +183,9 @@ class DecodeGraphs:
         device = model.device
         max_blocks = -(-max_context // cache.block_size)
         self.n_heads = model.layers[0].attn.n_local_heads
-        self.group_rows = decode_group_rows(self.n_heads, device) if row_groups and ROW_GROUPS else 1
+        self.kv_dtype = cache.layers[0].dtype
+        groups = row_groups and ROW_GROUPS
+        self.group_rows = decode_group_rows(self.n_heads, device, self.kv_dtype) if groups else 1
         self.inputs = DecodeInputs(buckets[-1], max_blocks, cache, device, self.group_rows)
         self.logits = torch.empty(buckets[-1], model.config.vocab_size, dtype=torch.float32, device=device)
         # keep_hidden: the final hidden states too (speculative decoding's MTP layer reads them)
@@ -216,7 +218,7 @@ class DecodeGraphs:
 
     def grouped(self, step: Step) -> bool:
         """Whether `step` runs in the grouped form (module docstring)."""
-        return self.group_rows > 1 and prefer_row_groups(step.q_lens, self.n_heads, self.model.device)
+        return self.group_rows > 1 and prefer_row_groups(step.q_lens, self.n_heads, self.model.device, self.kv_dtype)
 
     def can_run(self, step: Step) -> bool:
         """A step of at most max_bs new tokens whose logits are those of each sequence's last."""
