@@ -3,8 +3,10 @@
 # empty ~/.triton, TRITON_CACHE_DIR unset, hashes verified, --require-prepared (serve_gpu.py: start-up,
 # then decode at batch 1 and 32 counting JIT compiles). Reuses $W/bf16 when an earlier script on the same
 # machine compiled it (run_e2e_h200.sh), else synthesizes and compiles it.
-# Env: A/B of the load overlapping the graph capture: LOAD_OVERLAP_AB=1 also starts with MLAC_LOAD_OVERLAP=0.
-# $OUT: prepare.txt, serve_prepared.json (+ serve_prepared_no_overlap.json), log.txt.
+# Env: A/B of the load overlapping the graph capture: LOAD_OVERLAP_AB=1 also starts with MLAC_LOAD_OVERLAP=0;
+# PREFIX_TOO=1 then runs prefix_ttft.py on the prepared artifact (--require-prepared: no kernel compiles inside
+# its timings), suffixes ${SUFFIX_LENS:-8,16,64}.
+# $OUT: prepare.txt, serve_prepared.json (+ serve_prepared_no_overlap.json, prefix_ttft.json), log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
 if [ ! -f $W/bf16/manifest.sha256 ]; then
@@ -31,3 +33,9 @@ PY
 }
 serve serve_prepared MLAC_UNUSED=0
 [ -n "${LOAD_OVERLAP_AB:-}" ] && serve serve_prepared_no_overlap MLAC_LOAD_OVERLAP=0
+if [ -n "${PREFIX_TOO:-}" ]; then
+  timeout -k 10 200 python3 benchmarks/prefix_ttft.py $W/bf16 --device cuda --log $W/prefix.log \
+    --serve-args "--no-verify --require-prepared --kv-cache-bytes 17179869184" --suffix-lens ${SUFFIX_LENS:-8,16,64} \
+    --json "$OUT/prefix_ttft.json" | grep -E "ttft_ms_p50|speedup|in_process_ms|overhead"
+  stamp "prefix rc=$?"
+fi
