@@ -243,7 +243,9 @@ def test_flattened_extends_give_the_same_tokens_grouped_and_per_row(artifact, mo
     def run(grouped: bool) -> list[list[int]]:
         engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, num_blocks=64)
         graphs = DecodeGraphs(engine.runner.model, engine.cache, [1, 2, 4, 8, 16, 32], engine.max_context)
-        graphs.group_rows = graphs.inputs.group_rows = graphs.group_rows if grouped else 1
+        if not grouped:
+            graphs.group_rows = graphs.inputs.group_rows = 1
+            graphs.grouped_buckets = []
         engine.runner.graphs = graphs
         first = engine.generate(prompts[:1], params)[0].token_ids  # fills the prefix cache
         return [first] + [c.token_ids for c in engine.generate(prompts[1:], params)]
@@ -253,3 +255,15 @@ def test_flattened_extends_give_the_same_tokens_grouped_and_per_row(artifact, mo
     seen.clear()
     assert run(grouped=True) == per_row
     assert any(seen) and not all(seen), "no step ran grouped, or pure decode did"
+
+
+def test_grouped_buckets_are_few_and_hold_every_step():
+    """Only the powers of two from 8 and the largest bucket are captured grouped (start-up time);
+    a grouped step replays the smallest of them that holds its rows."""
+    from mlac.passes.buckets import decode_buckets
+    from mlac.runtime.graphs import grouped_buckets
+
+    ladder = decode_buckets(256)
+    assert grouped_buckets(ladder) == [8, 16, 32, 64, 128, 256]
+    assert grouped_buckets([1, 2, 4, 6]) == [6] and grouped_buckets([1]) == []
+    assert grouped_buckets([1, 2, 4, 8, 16, 24]) == [8, 16, 24]

@@ -17,10 +17,11 @@ eager forward's hundreds of kernels from Python; the logits of each sequence's l
 gathered after the replay.
 
 A sequence's rows in such a step attend grouped (mla_decode's grouped form: the rows of one
-sequence share each KV tile's load, `row_groups`) where `prefer_row_groups` says so: each bucket
-above 1 is captured a second time in that form, and a step replays the grouped graph exactly
-when some sequence runs more than one row. Pure decode steps keep the per-row graphs (their
-kernels are tuned for one row per program). MLAC_MLA_ROW_GROUPS=0 captures no grouped graph.
+sequence share each KV tile's load, `row_groups`) where `prefer_row_groups` says so: a few buckets
+(`grouped_buckets`) are captured a second time in that form, and a step replays the grouped graph
+of the smallest of them that holds it exactly when some sequence runs more than one row. Pure
+decode steps keep the per-row graphs (their kernels are tuned for one row per program).
+MLAC_MLA_ROW_GROUPS=0 captures no grouped graph.
 
 Padding rows (T..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
 the cache's scratch block (kv_cache.py): they read and write nothing a real sequence owns.
@@ -85,6 +86,17 @@ def capture_buckets(
     return graphs, pool
 
 
+def grouped_buckets(buckets: list[int]) -> list[int]:
+    """The buckets captured a second time in the grouped form: the powers of two from 8 on, and the
+    largest bucket (none when that is 1: no step has two rows). Every grouped capture costs start-up
+    time (all 19 multi-row buckets of the default ladder: /health 8.3 -> 10.0 s on an H200,
+    benchmarks/results/startup_h200.md), so a flattened step pads to the next of these few; its
+    padding rows cost little next to the weights that a step of 8 or more tokens reads."""
+    if buckets[-1] < 2:
+        return []
+    return sorted({b for b in buckets if b >= 8 and b & (b - 1) == 0} | {buckets[-1]})
+
+
 class DecodeInputs:
     """The static inputs of the captured decode step for up to `max_bs` sequences of up to
     `max_blocks` blocks, and their pinned host mirrors (filled per step, copied in one go each).
@@ -141,7 +153,9 @@ class DecodeInputs:
         slots = [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)]
         # block tables: one padded row per sequence, repeated for its flattened rows (a 64-token
         # suffix over a 2,000-token prefix would otherwise build 64 rows of 130 ids in Python)
-        seq_rows = torch.tensor([list(t) + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32)
+        seq_rows = torch.tensor(
+            [list(t) + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32
+        )
         if not step.is_decode:
             seq_rows = seq_rows.repeat_interleave(torch.tensor(step.q_lens), dim=0)
         self.host64[:, :bs] = torch.tensor(
@@ -192,7 +206,8 @@ class DecodeGraphs:
         d = model.config.hidden_size
         self.hidden = torch.empty(buckets[-1], d, dtype=model.dtype, device=device) if keep_hidden else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.grouped_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # buckets > 1, grouped form
+        self.grouped_buckets = grouped_buckets(self.buckets) if self.group_rows > 1 else []
+        self.grouped_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # grouped_buckets, grouped form
         self.pool = None
 
     @property
@@ -209,16 +224,16 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one pool (capture_buckets); then, where rows
-        group, every bucket above 1 again in the grouped form, into the same pool."""
+        group, the grouped buckets again in the grouped form, into the same pool."""
         self.graphs, self.pool = capture_buckets(self.buckets, self._step, self.pool)
-        if self.group_rows > 1:
-            multi = [bs for bs in self.buckets if bs > 1]
+        if self.grouped_buckets:
             step = lambda bs: self._step(bs, grouped=True)  # noqa: E731
-            self.grouped_graphs, self.pool = capture_buckets(multi, step, self.pool)
+            self.grouped_graphs, self.pool = capture_buckets(self.grouped_buckets, step, self.pool)
 
     def grouped(self, step: Step) -> bool:
         """Whether `step` runs in the grouped form (module docstring)."""
-        return self.group_rows > 1 and prefer_row_groups(step.q_lens, self.n_heads, self.model.device, self.kv_dtype)
+        device, dtype = self.model.device, self.kv_dtype
+        return bool(self.grouped_buckets) and prefer_row_groups(step.q_lens, self.n_heads, device, dtype)
 
     def can_run(self, step: Step) -> bool:
         """A step of at most max_bs new tokens whose logits are those of each sequence's last."""
@@ -230,9 +245,9 @@ class DecodeGraphs:
         decode step a view of the static output: valid until the next replay). A bucket that was
         not captured (on CPU, where nothing is) runs the same padded step eagerly: the tests check
         the padding and the flattened rows that way. `ids`: the token ids on the device (fill)."""
-        bs = pick_bucket(self.buckets, len(step.token_ids))
-        self.inputs.fill(step, bs, ids)
         grouped = self.grouped(step)
+        bs = pick_bucket(self.grouped_buckets if grouped else self.buckets, len(step.token_ids))
+        self.inputs.fill(step, bs, ids)
         graph = (self.grouped_graphs if grouped else self.graphs).get(bs)
         if graph is not None:
             graph.replay()
