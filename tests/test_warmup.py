@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mlac.kernels.moe import moe_config_tokens, pick_moe_config
+from mlac.runtime import model as model_module
 from mlac.runtime.engine import Engine
 from mlac.runtime.scheduler import SchedulerConfig
 
@@ -19,7 +21,7 @@ def test_forced_warmup_runs_every_shape_and_leaves_no_trace(artifact):
     path = artifact("tiny-v3")
     limits = SchedulerConfig(max_running_requests=8, chunked_prefill_size=120)
     engine = Engine.from_artifact(path, dtype=torch.float32, num_blocks=256, scheduler_config=limits)
-    assert engine.warmup(force=True) == [(1, 4), (3, 4), (8, 4), (16, 4), (1, 100), (1, 120)]
+    assert engine.warmup(force=True) == [(1, 4), (3, 4), (8, 4), (16, 4), (1, 96), (1, 100), (1, 120)]
     assert engine.cache.allocator.num_free == engine.cache.num_blocks
     fresh = Engine.from_artifact(path, dtype=torch.float32, num_blocks=256)
     want = fresh.generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids
@@ -43,3 +45,30 @@ def test_server_load_warms_up_unless_told_not_to(artifact, monkeypatch):
         engine = load_engine(ServerConfig(artifact=artifact("tiny-v3"), num_blocks=32, warmup=warmup))
         engine.close()
     assert len(calls) == 1
+
+
+def test_moe_config_tokens_name_the_largest_count_of_every_config():
+    for experts, top_k, fp8 in ((64, 6, False), (64, 6, True), (256, 8, True), (8, 2, False)):
+        counts = moe_config_tokens(experts, top_k, fp8, 2048)
+        config = lambda t: pick_moe_config(t * top_k, experts, fp8)  # noqa: E731
+        assert {config(t) for t in counts} == {config(t) for t in range(1, 2049)}
+        assert all(t == 2048 or config(t + 1) != config(t) for t in counts)
+    assert moe_config_tokens(64, 6, False, 2048) == [256, 1024, 1365, 2048]  # V2-Lite bf16
+
+
+def test_warmup_meets_every_moe_tile_config(artifact, monkeypatch):
+    # issue 15: a cached burst ran steps of 257-1,365 tokens whose MoE tiles the warm-up (and so
+    # `mlac prepare`) never compiled; tiny-v2-lite: 8 experts, top-2, so 385-511 tokens at chunk 512
+    limits = SchedulerConfig(max_running_requests=8, chunked_prefill_size=512)
+    engine = Engine.from_artifact(artifact("tiny-v2-lite"), dtype=torch.float32, scheduler_config=limits)
+    met = set()
+
+    def spy(x, w13, w2, weights, ids, *args, **kwargs):
+        met.add(pick_moe_config(ids.numel(), w13.shape[0], False))
+        return fused_moe(x, w13, w2, weights, ids, *args, **kwargs)
+
+    fused_moe = model_module.fused_moe
+    monkeypatch.setattr(model_module, "fused_moe", spy)
+    engine.warmup(force=True)
+    experts, top_k = engine.config.n_routed_experts, engine.config.num_experts_per_tok
+    assert met == {pick_moe_config(t * top_k, experts, False) for t in range(1, 513)}

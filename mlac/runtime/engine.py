@@ -24,11 +24,12 @@ import torch
 from mlac.artifact import TOKENIZER_DIR, Manifest
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.kernels.moe import moe_config_tokens
 from mlac.runtime.constrain import Grammars
 from mlac.runtime.kernel_cache import CacheMode, use_kernel_cache
 from mlac.runtime.layers import Weights
 from mlac.runtime.loader import to_compute_dtype
-from mlac.runtime.model import DeepseekModel
+from mlac.runtime.model import DeepseekModel, MoE
 from mlac.runtime.runner import LaunchSpec, ModelRunner, RuntimeOptions, make_cache, make_runner
 from mlac.runtime.sampling import SamplingParams, TokenLogprob, make_generator
 from mlac.runtime.scheduler import (  # noqa: F401  (find_stop: re-exported)
@@ -227,24 +228,38 @@ class Engine:
         per integer argument equal to 1 or divisible by 16. Hence decode batches of 1, 3, 16 and
         max_running_requests (4-token prompts: absorbed-form prefills of 4-4·max tokens), and
         one-sequence prefills of 100 tokens (MHA form) and of the chunk size, each run a second time
-        with the prefix cache on (an extend after a cached prefix). Shapes that do not fit the KV
-        cache or the context are left out."""
+        with the prefix cache on (an extend after a cached prefix); and one-sequence prefills of the
+        token counts that reach every tile config of the grouped MoE GEMMs up to the chunk size
+        (moe.moe_config_tokens: a burst of cached requests runs steps of any size in between).
+        Shapes that do not fit the KV cache or the context are left out."""
         if self.device.type != "cuda" and not force:
             return []
         limits = self.scheduler_config
         shapes = [(n, 4) for n in sorted({1, 3, 16, limits.max_running_requests})]
-        shapes += [(1, n) for n in sorted({100, limits.chunked_prefill_size})]
+        single = sorted({100, limits.chunked_prefill_size})
+        shapes += [(1, n) for n in sorted(set(single) | set(self._moe_lengths(limits.chunked_prefill_size)))]
         vocab, alloc, ran = self.config.vocab_size, self.cache.allocator, []
-        for n_seq, length in shapes:
-            length = min(length, self.max_context - 2)  # prompt + 2 tokens fit the context
+        for k, (n_seq, want) in enumerate(shapes):
+            length = min(want, self.max_context - 2)  # prompt + 2 tokens fit the context
             if length < 1 or n_seq * alloc.blocks_for(length + 2) > alloc.num_free:
                 continue
-            prompts = [[3 + (i * 31 + j * 7) % (vocab - 3) for j in range(length)] for i in range(n_seq)]
+            # each shape's own prompts (k): one shape's must not be a cached prefix of the next's
+            prompts = [[3 + (i * 31 + j * 7 + k * 13) % (vocab - 3) for j in range(length)] for i in range(n_seq)]
             self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
-            if self.scheduler_config.prefix_cache and n_seq == 1 and length > alloc.block_size:
+            twice = n_seq == 1 and want in single  # the MoE lengths once: their MoE shapes are met
+            if self.scheduler_config.prefix_cache and twice and length > alloc.block_size:
                 self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # an extend after a cached prefix
             ran.append((n_seq, length))
         return ran
+
+    def _moe_lengths(self, max_tokens: int) -> list[int]:
+        """Prompt lengths whose one-sequence prefills meet every grouped-MoE tile config (none
+        without MoE layers)."""
+        moe = next((layer.ffn for layer in self.runner.model.layers if isinstance(layer.ffn, MoE)), None)
+        if moe is None:
+            return []
+        fp8 = moe.w13_scale is not None
+        return moe_config_tokens(moe.n_local_experts, self.config.num_experts_per_tok, fp8, max_tokens)
 
     # ---- requests ----------------------------------------------------------------------------
 
