@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mlac.kernels.moe import moe_config_tokens, pick_moe_config
@@ -47,13 +48,19 @@ def test_server_load_warms_up_unless_told_not_to(artifact, monkeypatch):
     assert len(calls) == 1
 
 
-def test_moe_config_tokens_name_the_largest_count_of_every_config():
-    for experts, top_k, fp8 in ((64, 6, False), (64, 6, True), (256, 8, True), (8, 2, False)):
-        counts = moe_config_tokens(experts, top_k, fp8, 2048)
-        config = lambda t: pick_moe_config(t * top_k, experts, fp8)  # noqa: E731
-        assert {config(t) for t in counts} == {config(t) for t in range(1, 2049)}
-        assert all(t == 2048 or config(t + 1) != config(t) for t in counts)
-    assert moe_config_tokens(64, 6, False, 2048) == [256, 1024, 1365, 2048]  # V2-Lite bf16
+@pytest.mark.parametrize(
+    "experts, top_k, fp8", [(64, 6, False), (64, 6, True), (256, 8, True), (8, 2, False)]
+)
+def test_moe_config_tokens_name_the_largest_count_of_every_config(experts, top_k, fp8):
+    counts = moe_config_tokens(experts, top_k, fp8, 2048)
+    configs = [pick_moe_config(t * top_k, experts, fp8) for t in range(1, 2050)]  # configs[t - 1]: t tokens
+    assert {configs[t - 1] for t in counts} == set(configs[:2048])
+    assert all(t == 2048 or configs[t] != configs[t - 1] for t in counts)
+
+
+def test_moe_config_tokens_of_v2_lite():
+    assert moe_config_tokens(64, 6, False, 2048) == [256, 1024, 1365, 2048]  # bf16
+    assert moe_config_tokens(64, 6, True, 2048) == [256, 1024, 2048]  # FP8
 
 
 def test_warmup_meets_every_moe_tile_config(artifact, monkeypatch):
