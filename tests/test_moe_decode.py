@@ -290,8 +290,12 @@ def _with_chunks_as_experts(w13, w2, s13, s2, weights, ids, shared, n):
 
 FORMS = {  # the decode forms a MoeDecodeConfig selects
     "cuda-sum": dec_mod.MoeDecodeConfig(32, 16, 256, 1, num_warps=8, fuse_sum=True),
-    "dot-sum": dec_mod.MoeDecodeConfig(64, 16, 512, 1, num_warps=8, num_stages=3, fuse_sum=True, dot=True),  # FP8
-    "dot-reduce": dec_mod.MoeDecodeConfig(64, 32, 128, 1, num_warps=4, num_stages=3, dot=True),  # bf16 default
+    "dot-sum": dec_mod.MoeDecodeConfig(
+        64, 16, 512, 1, num_warps=8, num_stages=3, fuse_sum=True, dot=True
+    ),  # FP8
+    "dot-reduce": dec_mod.MoeDecodeConfig(
+        64, 32, 128, 1, num_warps=4, num_stages=3, dot=True
+    ),  # bf16 default
     "cuda-reduce": dec_mod.MoeDecodeConfig(32, 32, 256, 2, num_warps=4),
 }
 SHARED_CASES = [  # T, E, top_k, D, I, shared chunks n, invalid pairs
@@ -374,7 +378,11 @@ def test_shared_chunks_that_widen_the_fused_sum_run_apart():
     """The fused sum's slot tile is top_k + n rounded up to a power of two: V2-Lite's 6 + 2 keep 8
     slots (inside), V3's 8 + 1 would double them (apart: measured slower on an H200)."""
     assert not dec_mod.shared_widens_sum(6, 2) and not dec_mod.shared_widens_sum(5, 3)
-    assert dec_mod.shared_widens_sum(8, 1) and dec_mod.shared_widens_sum(2, 2) and dec_mod.shared_widens_sum(4, 1)
+    assert (
+        dec_mod.shared_widens_sum(8, 1)
+        and dec_mod.shared_widens_sum(2, 2)
+        and dec_mod.shared_widens_sum(4, 1)
+    )
 
 
 @needs_triton
@@ -394,7 +402,9 @@ def test_a_widened_fused_sum_keeps_the_shared_mlp_apart(fp8, monkeypatch):
     out = _run(x, w13, w2, weights, ids, s13, s2, config, shared=shared)
     assert calls == ([t] if fp8 else [])
     if fp8:
-        assert torch.equal(out, _run(x, w13, w2, weights, ids, s13, s2, config, shared_out=shared.mlp(x, None)))
+        assert torch.equal(
+            out, _run(x, w13, w2, weights, ids, s13, s2, config, shared_out=shared.mlp(x, None))
+        )
 
 
 @needs_triton
@@ -591,13 +601,20 @@ def test_gpu_decode_in_cuda_graph(fp8, t):
 
 
 def test_config_override_replaces_the_picked_tiles(monkeypatch):
-    """MLAC_MOE_DECODE_CONFIG (JSON per weight kind) replaces the tiles of that kind only; unknown
-    fields are an error, not ignored."""
-    override = dec_mod.config_override('{"fp8": {"block_n1": 64, "block_n2": 16, "dot": true, "fuse_sum": true}}')
-    monkeypatch.setattr(dec_mod, "CONFIG_OVERRIDE", override)
+    """MLAC_MOE_DECODE_CONFIG (JSON per weight kind) replaces the tiles of that kind only; anything
+    else (not JSON, an unknown kind or field) is a one-line MlacError naming the variable."""
+    from mlac.errors import MlacError
+
+    monkeypatch.setattr(
+        dec_mod, "CONFIG_TEXT", '{"fp8": {"block_n1": 64, "block_n2": 16, "dot": true, "fuse_sum": true}}'
+    )
     picked = dec_mod.pick_moe_decode_config(6, 64, fp8=True)
     assert picked == dec_mod.MoeDecodeConfig(64, 16, dot=True, fuse_sum=True)
-    assert dec_mod.pick_moe_decode_config(6, 64, fp8=False) == dec_mod.MoeDecodeConfig(64, 32, 128, 1, 4, 3, dot=True)
+    assert dec_mod.pick_moe_decode_config(6, 64, fp8=False) == dec_mod.MoeDecodeConfig(
+        64, 32, 128, 1, 4, 3, dot=True
+    )
     assert dec_mod.config_override(None) == {} and dec_mod.config_override("") == {}
-    with pytest.raises(TypeError):
-        dec_mod.config_override('{"fp8": {"block_q": 1}}')
+    for bad in ('{"fp8": {"block_q": 1}}', "fp8:64", '{"fp16": {}}', "[1]"):
+        with pytest.raises(MlacError, match="MLAC_MOE_DECODE_CONFIG") as err:
+            dec_mod.config_override(bad)
+        assert "\n" not in str(err.value)

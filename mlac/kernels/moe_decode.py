@@ -34,6 +34,7 @@ MLAC_MOE_DECODE_CONFIG replaces the tiles `pick_moe_decode_config` picks (see `c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlac.errors import MlacError
 from mlac.fp8 import BLOCK, FP8, FP8_MAX
 from mlac.kernels.fp8_quant import (
     Fp8Act,
@@ -159,23 +161,32 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     # CUDA-core tiles before, and in the decode step 375.7 -> 414.1 tok/s at batch 1; bf16 42.9 against
     # 44.4 us, 388.3 -> 393.3 tok/s.
     if fp8:
-        return CONFIG_OVERRIDE.get("fp8") or MoeDecodeConfig(
+        return config_override(CONFIG_TEXT).get("fp8") or MoeDecodeConfig(
             64, 16, 512, 1, num_warps=8, num_stages=3, fuse_sum=True, dot=True
         )
-    return CONFIG_OVERRIDE.get("bf16") or MoeDecodeConfig(
+    return config_override(CONFIG_TEXT).get("bf16") or MoeDecodeConfig(
         64, 32, 128, 1, num_warps=4, num_stages=3, fuse_sum=False, dot=True
     )
 
 
+CONFIG_ENV = "MLAC_MOE_DECODE_CONFIG"
+CONFIG_TEXT = os.environ.get(CONFIG_ENV, "")  # read once, at import; parsed at the first pick
+
+
+@functools.cache
 def config_override(text: str | None) -> dict[str, MoeDecodeConfig]:
     """MLAC_MOE_DECODE_CONFIG, for A/B runs of a config found by a sweep without a code change: JSON
-    {"fp8": {MoeDecodeConfig fields}, "bf16": {...}} (either key may be left out)."""
+    {"fp8": {MoeDecodeConfig fields}, "bf16": {...}} (either key may be left out). Anything else is
+    a one-line MlacError that names the variable."""
     if not text:
         return {}
-    return {kind: MoeDecodeConfig(**fields) for kind, fields in json.loads(text).items()}
-
-
-CONFIG_OVERRIDE = config_override(os.environ.get("MLAC_MOE_DECODE_CONFIG"))  # read once, at import
+    try:
+        kinds = json.loads(text)
+        if not isinstance(kinds, dict) or not set(kinds) <= {"fp8", "bf16"}:
+            raise ValueError('expected an object with the keys "fp8" and/or "bf16"')
+        return {kind: MoeDecodeConfig(**fields) for kind, fields in kinds.items()}
+    except (ValueError, TypeError) as e:
+        raise MlacError(f"{CONFIG_ENV}={text!r}: {e}") from None
 
 
 @jit

@@ -232,8 +232,9 @@ class DecodeGraphs:
 
     def grouped(self, step: Step) -> bool:
         """Whether `step` runs in the grouped form (module docstring)."""
-        device, dtype = self.model.device, self.kv_dtype
-        return bool(self.grouped_buckets) and prefer_row_groups(step.q_lens, self.n_heads, device, dtype)
+        if not self.grouped_buckets or step.is_decode:  # decode: the common step, never grouped
+            return False
+        return prefer_row_groups(step.q_lens, self.n_heads, self.model.device, self.kv_dtype)
 
     def can_run(self, step: Step) -> bool:
         """A step of at most max_bs new tokens whose logits are those of each sequence's last."""
