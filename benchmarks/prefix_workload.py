@@ -21,7 +21,8 @@ tokens the server reports as cached (`usage.prompt_tokens_details.cached_tokens`
 level that missed shows as such. `speedup` holds cold / cached for each level's TTFT p50 and
 prompt throughput. From the server's /metrics, per level: its own mean TTFT and queue time (from
 the request's arrival at the engine), its engine steps and their mean tokens
-(`mlac:iteration_tokens_total`: how well the arrivals batch), its JIT compiles. Before the levels
+(`mlac:iteration_tokens_total`: how well the arrivals batch), its JIT compiles; and this client's
+CPU seconds per wall second (near 1: the client, one Python process, bounds the level). Before the levels
 each server gets two requests of another system prompt
 (shapes; a prepared artifact compiles nothing). The JSON also holds the device, versions, the
 server commands and start-ups.
@@ -175,11 +176,12 @@ async def workload(url: str, model: str, prompts: Prompts, args, prime: bool) ->
             out["priming_ttft_ms"] = round(first["ttft_s"] * 1000, 2)
         for c in args.concurrency:
             n = max(args.requests_per_level, c * args.per_client)
-            before = server_samples(url)
-            results, wall = await closed_loop(client, url, model, prompts.requests(n), c, args.max_tokens)
+            before, sent, cpu = server_samples(url), prompts.requests(n), time.process_time()
+            results, wall = await closed_loop(client, url, model, sent, c, args.max_tokens)
             out["levels"][str(c)] = {
                 **level_summary(results, wall),
                 **server_view(before, server_samples(url)),
+                "client_cpu_per_wall": round((time.process_time() - cpu) / wall, 3),
             }
             print(f"concurrency {c}: {out['levels'][str(c)]}", flush=True)
     return out

@@ -1,12 +1,15 @@
 """Where an eager prefill's wall time goes: one prompt of N tokens, cold and over a cached prefix.
 
-    python benchmarks/profile_prefill.py ART --json prefill.json [--prompt-len 64] [--prefix-len 2000]
+    python benchmarks/profile_prefill.py ART --json prefill.json [--prompt-len 64] [--prefix-len 2000] \
+        [--batches 4,16]
 
 Loads the artifact (CUDA), then times, and profiles with the torch profiler, the step that
 prefills one sequence of `--prompt-len` tokens: (1) cold, (2) after a sequence with a shared
 `--prefix-len`-token prefix has finished (the radix cache then serves the prefix; only the
-suffix is prefilled). For each: wall ms, GPU kernel ms, kernel launches, host syncs, and the
-operators with the most host (self CPU) time: what an eager step spends launching.
+suffix is prefilled), (3) with `--batches`, B such sequences (the same cached prefix, suffixes of
+their own) in one step: what a burst of cached requests costs the engine. For each: wall ms, GPU
+kernel ms, kernel launches, host syncs, the operators with the most host (self CPU) time (what an
+eager step spends launching) and those with the most GPU time.
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ from mlac.runtime.sampling import SamplingParams
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def prefill_once(engine: Engine, ids: list[int]) -> float:
-    """Wall seconds of the scheduler step that prefills `ids` (one token sampled)."""
+def prefill_once(engine: Engine, ids: list[int] | list[list[int]]) -> float:
+    """Wall seconds of the scheduler steps that prefill `ids` (one prompt, or several in one step),
+    one token sampled for each."""
     sched = engine.scheduler()
-    seq = engine.new_sequence(ids, SamplingParams(max_tokens=1, ignore_eos=True))
-    sched.add(seq)
+    prompts = ids if ids and isinstance(ids[0], list) else [ids]
+    seqs = [engine.new_sequence(p, SamplingParams(max_tokens=1, ignore_eos=True)) for p in prompts]
+    for seq in seqs:
+        sched.add(seq)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    while not seq.finished:
+    while not all(seq.finished for seq in seqs):
         sched.step()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
@@ -49,13 +55,16 @@ def summarize(prof, wall_s: float) -> dict:
     for e in cpu:
         if e.name.startswith(SYNC_OPS):
             syncs[e.name] = syncs.get(e.name, 0) + 1
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    by_gpu = averages.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
     return {
         "wall_ms": round(wall_s * 1e3, 2),
         "kernels": len(kernels),
         "gpu_kernel_ms": round(sum(e.device_time for e in kernels) / 1e3, 3),
         "host_syncs": syncs,
         "top_self_cpu": table.splitlines(),
+        "top_gpu": by_gpu.splitlines(),
     }
 
 
@@ -65,6 +74,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--prefix-len", type=int, default=2000)
+    ap.add_argument("--batches", default="", help="cached prompts per step, e.g. 4,16 (also timed)")
     args = ap.parse_args()
     engine = Engine.from_artifact(args.artifact, device="cuda", verify=False)
     rng = random.Random(0)
@@ -84,13 +94,15 @@ def main() -> None:
     prefix = ids(args.prefix_len)
     prefill_once(engine, prefix + ids(args.prompt_len))  # the prefix into the radix cache
     cases["cached_prefix"] = lambda: prefix + ids(args.prompt_len)
+    for b in (int(x) for x in args.batches.split(",") if x.strip()):
+        cases[f"cached_prefix_x{b}"] = lambda b=b: [prefix + ids(args.prompt_len) for _ in range(b)]
     for name, make in cases.items():
         walls = [prefill_once(engine, make()) for _ in range(5)]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = prefill_once(engine, make())
         out[name] = {"wall_ms_unprofiled": [round(w * 1e3, 2) for w in walls], **summarize(prof, wall)}
-        print(name, {k: v for k, v in out[name].items() if k != "top_self_cpu"}, flush=True)
-        print("\n".join(out[name]["top_self_cpu"][:30]), flush=True)
+        print(name, {k: v for k, v in out[name].items() if not k.startswith("top_")}, flush=True)
+        print("\n".join(out[name]["top_self_cpu"][:30] + out[name]["top_gpu"][:20]), flush=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
     engine.close()
 

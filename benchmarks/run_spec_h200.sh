@@ -10,11 +10,14 @@
 # draft is 1/28 of the model, not 1/7 (`CONFIG=deep TRAIN_MIN=5` for issue #14's measurement). With
 # CKPT set, CONFIG only names the output files. It is in every bench file's name and in log.txt.
 # Env: CKPT (skip training), TRAIN_MIN (10), ARTS ("bf16 fp8"), STEPS ("1 2 3"), BATCHES, INPUT_LEN, OUTPUT_LEN,
-# NO_OVERLAP_TOO (each K also with --disable-overlap-schedule: bench_${CONFIG}_${art}_k${K}_no_overlap.json).
+# NO_OVERLAP_TOO (each K also with --disable-overlap-schedule: bench_${CONFIG}_${art}_k${K}_no_overlap.json),
+# AB_ENV (each K also under this environment, e.g. AB_ENV=MLAC_MLA_ROW_GROUPS=0: bench_${CONFIG}_${art}_k${K}_ab.json),
+# GPU_TESTS (the test files, default the speculative ones and test_graphs.py).
 # $OUT: bench_${CONFIG}_{bf16,fp8}_{plain,k1,k2,k3}.json, tests.txt, train.log, train_report_$CONFIG.json, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mtp_spec.py tests/test_mtp_spec_chain.py tests/test_mtp_spec_overlap.py tests/test_graphs.py \
+GPU_TESTS=${GPU_TESTS:-tests/test_mtp_spec.py tests/test_mtp_spec_chain.py tests/test_mtp_spec_overlap.py tests/test_graphs.py}
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS \
   >"$OUT/tests.txt" 2>&1; stamp "gpu tests rc=$?"; tail -5 "$OUT/tests.txt"
 CONFIG=${CONFIG:-small}; C=${CKPT:-$W/$CONFIG}; stamp "config $CONFIG, checkpoint $C"
 if [ -z "${CKPT:-}" ]; then
@@ -32,6 +35,10 @@ for art in ${ARTS:-bf16 fp8}; do
     if [ -n "${NO_OVERLAP_TOO:-}" ]; then
       $B $W/$art --speculative-num-steps $k --disable-overlap-schedule --json "$OUT/bench_${CONFIG}_${art}_k${k}_no_overlap.json"
       stamp "bench $CONFIG $art k=$k --disable-overlap-schedule rc=$?"
+    fi
+    if [ -n "${AB_ENV:-}" ]; then
+      env $AB_ENV $B $W/$art --speculative-num-steps $k --json "$OUT/bench_${CONFIG}_${art}_k${k}_ab.json"
+      stamp "bench $CONFIG $art k=$k under $AB_ENV rc=$?"
     fi
   done
 done
