@@ -53,7 +53,12 @@ PDL_ENV = "MLAC_PDL"
 def use_triton(x: torch.Tensor, requested: bool | None = None) -> bool:
     """Triton on CUDA tensors (the reference when triton is missing); on CPU tensors only when
     asked, under TRITON_INTERPRET=1 (tests). `requested` True forces Triton, False forces the
-    reference, None picks by device; MLAC_FORCE_TRITON=1 acts as True."""
+    reference, None picks by device; MLAC_FORCE_TRITON=1 acts as True.
+
+    NOTE: the interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton
+    #11584): a bf16 model forced onto Triton on CPU gives logits near 1e11 (gemv, extend_attention
+    and mla_decode dot bf16; the GPU is right) unless tests/kernels/conftest.py's interpreter
+    patch is applied, as it is for every test under tests/kernels/. Float32 runs are exact."""
     if requested is None:
         requested = (x.is_cuda and HAS_TRITON) or os.environ.get("MLAC_FORCE_TRITON") == "1"
     if requested and not HAS_TRITON:
