@@ -33,6 +33,7 @@ from mlac.runtime.kernel_cache import CacheMode, use_kernel_cache
 from mlac.runtime.layers import Linear, Weights
 from mlac.runtime.loader import to_compute_dtype
 from mlac.runtime.model import DeepseekModel, MoE
+from mlac.runtime.parallel import ParallelLMHead
 from mlac.runtime.runner import LaunchSpec, ModelRunner, RuntimeOptions, make_cache, make_runner
 from mlac.runtime.sampling import SamplingParams, TokenLogprob, make_generator
 from mlac.runtime.scheduler import (  # noqa: F401  (find_stop: re-exported)
@@ -260,9 +261,12 @@ class Engine:
     def _variant_lengths(self, max_tokens: int) -> list[int]:
         """Prompt lengths whose one-sequence prefills meet every kernel variant that a step of 1 to
         max_tokens tokens picks (step_variants.warmup_token_counts, from this rank's weight shapes)."""
-        layers = self.runner.model.layers  # the LM head (M = sequences) and MTP steps are not sized by t
-        linears = {(*m.weight.shape, m.weight.dtype) for m in layers.modules() if isinstance(m, Linear)}
-        moe = next((layer.ffn for layer in layers if isinstance(layer.ffn, MoE)), None)
+        model = self.runner.model
+        layers = [*model.layers, *model.mtp]
+        mods = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+        # not an LM head (an MTP layer holds one): its M is the sequences, not the tokens
+        linears = {(*m.weight.shape, m.weight.dtype) for m in mods if not isinstance(m, ParallelLMHead)}
+        moe = next((layer.ffn for layer in model.layers if isinstance(layer.ffn, MoE)), None)
         shapes = StepShapes(
             sm_count(self.device),
             fp8_linears=tuple(sorted((n, k) for n, k, dtype in linears if dtype == FP8)),
