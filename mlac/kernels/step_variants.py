@@ -7,10 +7,12 @@ variant per set of constexprs and per class of each integer argument not marked 
 the weights' shapes:
 
 - grouped MoE (moe.moe_variants): the tile config from the rows per expert, and with FP8 the K split
-  of each GEMM (`split_k_for`, from the tile count: with V3's 256 experts a step of up to 768 tokens
-  can split K 1, 2, 4 or 8 ways), the top-k reduce's BLOCK_T, the one-token decode GEMVs;
+  of each GEMM (`split_k_for`, from the tile count, so from t: V3 on 132 SMs splits GEMM1 in 2 at 2
+  tokens only, narrower experts or fewer SMs split 2-8 ways over wider ranges), the top-k reduce's
+  BLOCK_T, the one-token decode GEMVs;
 - dense FP8 GEMM (fp8_gemm.gemm_variant, per weight shape): BLOCK_M = next power of two of M up to
-  64 (decode tiles), then two prefill configs; and M itself (not `dynamic`): "1", "16", "any";
+  64 (decode tiles), then two prefill configs; and M itself (not `dynamic`): "1", "16", "any" (a
+  warm-up of multiples of 16 above 256 tokens left every eager step of 300 tokens, say, to compile);
 - skinny GEMM (gemv.py, bf16 weights at <= 16 rows): its config and BLOCK_M per row count;
 - router (router_gemv.py, <= 16 rows): the plan and BLOCK_T;
 - act_quant (FP8 activations quantized apart): M's class.
