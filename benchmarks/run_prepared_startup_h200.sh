@@ -5,8 +5,10 @@
 # machine compiled it (run_e2e_h200.sh), else synthesizes and compiles it.
 # Env: A/B of the load overlapping the graph capture: LOAD_OVERLAP_AB=1 also starts with MLAC_LOAD_OVERLAP=0;
 # PREFIX_TOO=1 then runs prefix_ttft.py on the prepared artifact (--require-prepared: no kernel compiles inside
-# its timings), suffixes ${SUFFIX_LENS:-8,16,64}.
-# $OUT: prepare.txt, serve_prepared.json (+ serve_prepared_no_overlap.json, prefix_ttft.json), log.txt.
+# its timings), suffixes ${SUFFIX_LENS:-8,16,64}; WORKLOAD_TOO=1 runs prefix_workload.py (the shared-system-prompt
+# workload at concurrency 1, 4, 16, 64, the radix cache off then on; one token per request, then 32 at 16 and 64).
+# $OUT: prepare.txt, serve_prepared.json (+ serve_prepared_no_overlap.json, prefix_ttft.json,
+# prefix_workload{,_out32}.json with their servers' logs), log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
 if [ ! -f $W/bf16/manifest.sha256 ]; then
@@ -38,4 +40,11 @@ if [ -n "${PREFIX_TOO:-}" ]; then
     --serve-args "--no-verify --require-prepared --kv-cache-bytes 17179869184" --suffix-lens ${SUFFIX_LENS:-8,16,64} \
     --json "$OUT/prefix_ttft.json" | grep -E "ttft_ms_p50|speedup|in_process_ms|overhead"
   stamp "prefix rc=$?"
+fi
+if [ -n "${WORKLOAD_TOO:-}" ]; then
+  WL=(python3 benchmarks/prefix_workload.py $W/bf16 --device cuda
+      --serve-args "--no-verify --require-prepared --kv-cache-bytes 17179869184")
+  timeout -k 10 240 "${WL[@]}" --json "$OUT/prefix_workload.json" | grep -v "^+"; stamp "workload rc=$?"
+  timeout -k 10 200 "${WL[@]}" --max-tokens 32 --concurrency 16,64 --json "$OUT/prefix_workload_out32.json" \
+    | grep -v "^+"; stamp "workload out32 rc=$?"
 fi

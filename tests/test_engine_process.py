@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlac.errors import MlacError
@@ -23,7 +24,7 @@ from mlac.runtime.serve import ServerConfig, ServerThread, load_engine
 from mlac.runtime.serve.engine_child import PipeOutlet
 from mlac.runtime.serve.engine_client import EngineClient, FrontEngine, Request
 from mlac.runtime.serve.loop import ShuttingDown, decode_error, encode_error
-from mlac.runtime.serve.metrics import Metrics, MetricsRecorder, replay
+from mlac.runtime.serve.metrics import ENGINE_METRICS, Metrics, MetricsRecorder, replay
 from mlac.runtime.spec_decode import SpecStats
 
 MODEL = "tiny"
@@ -80,6 +81,20 @@ def test_recorded_metric_ops_replay_into_the_servers_metrics():
     assert 'mlac:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in text
     for name, n in (("num_drafts", 3), ("num_draft_tokens", 9), ("num_accepted_tokens", 5)):
         assert f'mlac:spec_decode_{name}_total{{model_name="tiny"}} {n}.0' in text
+
+
+def test_the_recorder_has_every_metric_the_engine_side_updates():
+    """The engine's loop updates the same attributes on Metrics (a server thread) and on a
+    MetricsRecorder (the engine's process): one missing there kills the engine thread."""
+    metrics = Metrics(MODEL)
+    public = {
+        k
+        for k, v in vars(metrics).items()
+        if not k.startswith("_") and isinstance(v, (Counter, Gauge, Histogram))
+    }
+    assert public == set(ENGINE_METRICS)
+    rec = MetricsRecorder()
+    assert all(hasattr(rec, name) for name in public)
 
 
 class FakeChannel:

@@ -87,7 +87,8 @@ def test_every_metric_is_mlac_prefixed_and_carries_model_name(server):
                  "mlac:prompt_tokens_total", "mlac:generation_tokens_total", "mlac:request_success_total",
                  "mlac:time_to_first_token_seconds_bucket", "mlac:inter_token_latency_seconds_bucket",
                  "mlac:e2e_request_latency_seconds_bucket", "mlac:request_queue_time_seconds_bucket",
-                 "mlac:prefix_cache_queries_total", "mlac:prefix_cache_hits_total"):  # fmt: skip
+                 "mlac:prefix_cache_queries_total", "mlac:prefix_cache_hits_total",
+                 "mlac:iteration_tokens_total_bucket"):  # fmt: skip
         assert want in names, want
     reasons = {
         dict(labels)["finished_reason"] for name, labels in samples if name == "mlac:request_success_total"
@@ -99,6 +100,17 @@ def test_buckets_are_vllms():
     assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100)
     text = DOC.read_text()
     assert "0.001, 0.005, 0.01, 0.02" in text  # the TTFT buckets are documented as they are
+
+
+def test_iteration_tokens_count_each_steps_tokens(server):
+    wait_idle(server)
+    d = Delta(server)
+    prompt = list(range(300, 331))  # 31 ids no other test sends: no prefix-cache hit
+    assert complete(server, max_tokens=4, prompt=prompt).status_code == 200
+    wait_idle(server)
+    d.take()
+    assert d("mlac:iteration_tokens_total_count") == 4  # the prompt's step, then a decode row per token
+    assert d("mlac:iteration_tokens_total_sum") == 31 + 3
 
 
 def test_outcomes_are_counted_when_requests_end(server):

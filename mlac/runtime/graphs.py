@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections.abc import Callable
 
 import torch
@@ -53,11 +54,13 @@ def pick_bucket(buckets: list[int], batch: int) -> int | None:
 
 
 def capture_buckets(
-    buckets: list[int], step: Callable[[int], None], pool=None
+    buckets: list[int], step: Callable[[int], None], pool=None, timings: dict[str, float] | None = None
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], object]:
     """({bucket: graph}, pool): `step(bs)` captured for every bucket, largest first, into one memory
     pool (`pool`: another capture's, to share it). Each bucket runs once eagerly first (on padding
     rows), so that every kernel is compiled and every lazily made buffer exists before capture.
+    `timings`: adds the seconds of those eager runs (to their end on the GPU) to "eager_s" and of
+    the captures (recording and instantiation) to "capture_s" (start-up's phases, /health).
 
     Other threads may run CUDA work meanwhile, on their own streams (the weights' load, see
     runner.build_runner): the capture is thread-local ("thread_local" mode: their calls are not
@@ -68,9 +71,12 @@ def capture_buckets(
     and the graph pool at once); torch.cuda.graph freed them only to hold the next step's."""
     graphs = {}
     stream = torch.cuda.Stream()  # captures run on a side stream, as torch.cuda.graph's do
+    spent = {"eager_s": 0.0, "capture_s": 0.0}
     for bs in reversed(buckets):
+        t0 = time.perf_counter()
         step(bs)
         torch.cuda.current_stream().synchronize()
+        t1 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -82,7 +88,12 @@ def capture_buckets(
         torch.cuda.current_stream().wait_stream(stream)
         pool = graph.pool()
         graphs[bs] = graph
+        spent["eager_s"] += t1 - t0
+        spent["capture_s"] += time.perf_counter() - t1
     torch.cuda.current_stream().synchronize()
+    if timings is not None:
+        for key, seconds in spent.items():
+            timings[key] = timings.get(key, 0.0) + seconds
     return graphs, pool
 
 
@@ -209,6 +220,7 @@ class DecodeGraphs:
         self.grouped_buckets = grouped_buckets(self.buckets) if self.group_rows > 1 else []
         self.grouped_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # grouped_buckets, grouped form
         self.pool = None
+        self.timings: dict[str, float] = {}  # capture's phases (capture_buckets), start-up's record
 
     @property
     def max_bs(self) -> int:
@@ -225,10 +237,12 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one pool (capture_buckets); then, where rows
         group, the grouped buckets again in the grouped form, into the same pool."""
-        self.graphs, self.pool = capture_buckets(self.buckets, self._step, self.pool)
+        self.graphs, self.pool = capture_buckets(self.buckets, self._step, self.pool, self.timings)
         if self.grouped_buckets:
             step = lambda bs: self._step(bs, grouped=True)  # noqa: E731
-            self.grouped_graphs, self.pool = capture_buckets(self.grouped_buckets, step, self.pool)
+            grouped: dict[str, float] = {}
+            self.grouped_graphs, self.pool = capture_buckets(self.grouped_buckets, step, self.pool, grouped)
+            self.timings.update({f"grouped_{k}": v for k, v in grouped.items()})
 
     def grouped(self, step: Step) -> bool:
         """Whether `step` runs in the grouped form (module docstring)."""

@@ -377,6 +377,7 @@ def _assemble(
             draft = DraftGraphs(model, cache, buckets, max_context)
             draft.capture(graphs.pool)
         startup["graphs_s"] = time.perf_counter() - start
+        startup.update({f"graphs_{k}": v for k, v in graphs.timings.items()})  # eager runs, captures
     runner = ModelRunner(model, cache, graphs, startup, dp)
     runner.draft_graphs = draft
     return runner

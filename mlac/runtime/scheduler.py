@@ -257,6 +257,7 @@ class Scheduler:
         self.prefix = self.cache.prefix if self.config.prefix_cache else None  # rank 0's
         self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix cache (at admission)
         self.prefix_query_tokens = 0  # prompt tokens looked up in it
+        self.last_step_tokens = 0  # tokens the last `step` launched a forward over (0: none)
         alloc = self.cache.allocator
         self._watermark = max(1, alloc.num_blocks // 100)  # blocks kept free when admitting
         on = self.config.overlap if self.config.overlap is not None else on_by_default(runner)
@@ -326,20 +327,29 @@ class Scheduler:
         """Schedule and run one forward; returns the sequences with news: a new token, finished,
         or aborted. Finished sequences have left the scheduler and freed their blocks. With
         overlap, a decode step's news come with the next step (overlap.py)."""
-        news = []
+        news, self.last_step_tokens = [], 0
         if self.in_flight:
             steady = self._flier.advance(self)
             if steady is not None:
+                self.last_step_tokens = self._launched_rows()
                 return steady
             news = self._flier.drain(self)
         news += self._apply_aborts()
         plan = self._schedule()
         if plan:
+            self.last_step_tokens = sum(n for _, n in plan)
             news += self._dispatch(plan)
         elif self.waiting and not self.running:  # cannot happen while requests fit the context; never hang
             n, free = self.waiting[0].num_tokens, self.cache.allocator.num_free
             raise MlacError(f"cannot admit a request of {n} tokens ({free} free blocks)")
         return unique(news)
+
+    def _launched_rows(self) -> int:
+        """Tokens of the step the flier launched ahead: a decode row per sequence, and each one's
+        drafts when speculating."""
+        flight = self._flier.flight
+        per_seq = 1 if self.spec is None else 1 + self.spec.num_steps
+        return 0 if flight is None else len(flight.seqs) * per_seq
 
     def _dispatch(self, plan: list[tuple[Sequence, int]]) -> list[Sequence]:
         if self.spec is not None:

@@ -272,6 +272,8 @@ class EngineLoop:
                 self._finish(seq, MlacError(f"engine step failed: {e}"))
             return
         self._observe_queue_time(news, start)
+        if s.last_step_tokens:
+            self.metrics.iteration_tokens.observe(s.last_step_tokens)
         now = time.monotonic()
         tokens = sum(self._deliver(seq, now) for seq in news)
         m, hits, queries = self.metrics, s.prefix_hit_tokens - hits, s.prefix_query_tokens - queries

@@ -105,6 +105,8 @@ class Metrics:
         self.request_generation_tokens = h("request_generation_tokens", "Generated tokens of a finished request",
                                            tokens)  # fmt: skip
         self.request_max_tokens = h("request_params_max_tokens", "max_tokens of a finished request", tokens)
+        self.iteration_tokens = h("iteration_tokens_total", "Tokens of one engine step (prompt chunks and "
+                                  "decode rows, speculative drafts included)", tokens)  # fmt: skip
 
     def finished(self, reason: str) -> Counter:
         """The request_success counter of one finished_reason (one of FINISH_REASONS)."""
@@ -138,7 +140,7 @@ class Metrics:
 ENGINE_METRICS = ("running", "waiting", "kv_usage", "kv_blocks", "prompt_tokens", "generation_tokens",
                   "preemptions", "prefix_queries", "prefix_hits", "jit_compiles", "ttft", "itl", "e2e",
                   "queue_time", "request_prompt_tokens", "request_generation_tokens", "request_max_tokens",
-                  "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")  # fmt: skip
+                  "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "iteration_tokens")  # fmt: skip
 
 MetricOp = tuple[str, str, float]  # (metric: an ENGINE_METRICS name or "finished:<reason>", method, value)
 
