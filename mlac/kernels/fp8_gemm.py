@@ -216,28 +216,55 @@ def split_k_locks(device: torch.device, n: int) -> torch.Tensor:
 def split_k_for(tiles: int, k: int, sms: int, ctas_per_sm: int = 2, min_k_blocks: int = 4) -> int:
     """Power-of-two split of K that brings the grid to about ctas_per_sm CTAs per SM, keeping
     at least min_k_blocks 128-wide K blocks per split."""
-    kb = triton.cdiv(k, BLOCK)
+    kb = -(-k // BLOCK)
     split = 1
     while tiles * split < ctas_per_sm * sms and kb >= 2 * split * min_k_blocks:
         split *= 2
     return split
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), as `triton.next_power_of_2`, without Triton."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def int_class(v: int) -> str:
+    """How Triton specializes an integer argument not marked `dynamic` (fp8_quant.jit): "1", "16"
+    (divisible by 16) or "any". Each class is its own compiled variant."""
+    return "1" if v == 1 else "16" if v % 16 == 0 else "any"
+
+
+def gemm_variant(m: int, n: int, k: int, sms: int) -> tuple[GemmConfig, str]:
+    """The `_fp8_gemm_kernel` variant an [M, K] x [N, K] product compiles: its tiles and M's class
+    (M is specialized)."""
+    return gemm_config_for(m, n, k, sms), int_class(m)
+
+
 def pick_gemm_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """Default tiles: decode (M <= 64) streams B over many CTAs (split-K when N gives too few
     tiles); larger M uses 128x128 fp8 wgmma tiles. Activations are quantized by a separate
     act_quant pass (measured faster than quantizing inside the GEMM's A load: see NOTES)."""
+    return gemm_config_for(m, n, k, sm_count(device))
+
+
+def gemm_config_for(m: int, n: int, k: int, sms: int) -> GemmConfig:
+    """`pick_gemm_config` on a GPU of `sms` SMs (pure: the warm-up plans with it)."""
     if m <= 64:
-        block_m = max(16, triton.next_power_of_2(m))
+        block_m = max(16, next_power_of_2(m))
         block_n = 64
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        split = split_k_for(tiles, k, sm_count(device))
+        tiles = -(-m // block_m) * -(-n // block_n)
+        split = split_k_for(tiles, k, sms)
         return GemmConfig(block_m, block_n, split_k=split, num_warps=4, num_stages=4)
     if m <= 256:
-        return GemmConfig(64, 128, num_warps=4, num_stages=4)
+        return _MID
     if k >= 2048:  # two K blocks per step: fewer waits on the per-block scaled wgmma results
-        return GemmConfig(128, 128, num_warps=8, num_stages=3, sub_k=2)
-    return GemmConfig(128, 64, num_warps=4, num_stages=4)
+        return _PREFILL_SUB_K
+    return _PREFILL
+
+
+_MID = GemmConfig(64, 128, num_warps=4, num_stages=4)
+_PREFILL_SUB_K = GemmConfig(128, 128, num_warps=8, num_stages=3, sub_k=2)
+_PREFILL = GemmConfig(128, 64, num_warps=4, num_stages=4)
 
 
 def _check_weight(k: int, w: torch.Tensor, w_scale: torch.Tensor, device: torch.device) -> None:

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from mlac.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks
-from mlac.kernels.fp8_gemm import fp8_act_linear_ref, fp8_linear_ref, sm_count, split_k_for, split_k_locks
+from mlac.kernels.fp8_gemm import (
+    fp8_act_linear_ref,
+    fp8_linear_ref,
+    next_power_of_2,
+    sm_count,
+    split_k_for,
+    split_k_locks,
+)
 from mlac.kernels.fp8_quant import (
     HAS_TRITON,
     Fp8Act,
@@ -181,8 +188,7 @@ def moe_align(
     assert HAS_TRITON, "moe_align needs triton"
     assert topk_ids.dim() == 2 and topk_ids.is_contiguous(), topk_ids.shape
     p = topk_ids.numel()
-    max_padded = p + min(p, num_experts) * (block_m - 1)
-    max_blocks = triton.cdiv(max_padded, block_m)
+    max_padded, max_blocks = align_sizes(p, num_experts, block_m)
     dev = topk_ids.device
     e_pad = triton.next_power_of_2(num_experts)
     counts = torch.empty(e_pad, dtype=torch.int32, device=dev)
@@ -209,6 +215,13 @@ def moe_align(
         **pdl_launch(),
     )
     return sorted_pairs, block_expert, num_padded
+
+
+def align_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """`moe_align`'s (max_padded, max_blocks) for num_pairs token-expert pairs: each expert that can
+    hold a pair padded by up to block_m - 1 rows."""
+    max_padded = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return max_padded, -(-max_padded // block_m)
 
 
 @jit(dynamic=("P", "num_blocks"))
@@ -469,9 +482,34 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> 
 def _split_for(cfg: MoeConfig, tiles: int, k: int, device: torch.device) -> int:
     """K splits of one grouped GEMM: cfg.split_k (at most one per K block), or with 0 what
     `split_k_for` picks to fill the GPU (decode: a few experts' blocks give too few tiles)."""
+    return split_of(cfg, tiles, k, sm_count(device))
+
+
+def split_of(cfg: MoeConfig, tiles: int, k: int, sms: int) -> int:
+    """`_split_for` on a GPU of `sms` SMs (pure: the warm-up plans with it)."""
     if cfg.split_k == 0:
-        return split_k_for(tiles, k, sm_count(device))
-    return max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+        return split_k_for(tiles, k, sms)
+    return max(1, min(cfg.split_k, -(-k // cfg.block_k)))
+
+
+def moe_variants(t: int, top_k: int, num_experts: int, d: int, i: int, fp8: bool, sms: int) -> list[tuple]:
+    """The grouped path's kernel variants (one tuple per kernel: its name and the integers Triton
+    compiles it for) that `fused_moe_triton` launches for a step of t tokens: x [t, d], w13
+    [num_experts, 2i, d], on a GPU of `sms` SMs. What the warm-up must meet (step_variants.py)."""
+    p = t * top_k
+    decode = pick_moe_decode_config(p, num_experts, fp8)
+    if decode is not None:  # the decode GEMVs, and the top-k reduce unless GEMM2 sums
+        return [("moe_decode", decode)] + ([] if decode.fuse_sum else [("moe_reduce", *reduce_blocks(t, d))])
+    cfg = pick_moe_config(p, num_experts, fp8)
+    num_blocks = align_sizes(p, num_experts, cfg.block_m)[1]
+    split1 = split_of(cfg, num_blocks * -(-i // cfg.block_n1), d, sms)
+    split2 = split_of(cfg, num_blocks * -(-d // cfg.block_n2), i, sms)
+    return [
+        ("moe_align", cfg.block_m),
+        ("moe_gemm1", cfg, split1),
+        ("moe_gemm2", cfg, split2),
+        ("moe_reduce", *reduce_blocks(t, d)),
+    ]
 
 
 def _split_buffers(
@@ -673,6 +711,13 @@ def _as_rows(shared_out: torch.Tensor | None) -> torch.Tensor | None:
     return None if shared_out is None else shared_out.unsqueeze(0)
 
 
+def reduce_blocks(t: int, d: int) -> tuple[int, int]:
+    """`_moe_reduce_kernel`'s (BLOCK_T, BLOCK_D) for out [t, d]: BLOCK_T grows with t up to
+    4096 // BLOCK_D (a constexpr picked per step: 1, 2, then 4 at DeepSeek's widths)."""
+    block_d = min(1024, next_power_of_2(d))
+    return min(max(1, 4096 // block_d), next_power_of_2(t)), block_d
+
+
 def _reduce_top_k(
     y: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -687,8 +732,7 @@ def _reduce_top_k(
     read. topk_ids contiguous."""
     t, d = out.shape
     top_k = topk_ids.shape[1]
-    block_d = min(1024, triton.next_power_of_2(d))
-    block_t = min(max(1, 4096 // block_d), triton.next_power_of_2(t))
+    block_t, block_d = reduce_blocks(t, d)
     _moe_reduce_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block_d))](
         y,
         topk_weights.contiguous(),

@@ -24,12 +24,16 @@ import torch
 from mlac.artifact import TOKENIZER_DIR, Manifest
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
-from mlac.kernels.moe import moe_config_tokens
+from mlac.fp8 import FP8
+from mlac.kernels.fp8_gemm import sm_count
+from mlac.kernels.gemv import DENSE_DTYPES
+from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
 from mlac.runtime.constrain import Grammars
 from mlac.runtime.kernel_cache import CacheMode, use_kernel_cache
-from mlac.runtime.layers import Weights
+from mlac.runtime.layers import Linear, Weights
 from mlac.runtime.loader import to_compute_dtype
 from mlac.runtime.model import DeepseekModel, MoE
+from mlac.runtime.parallel import ParallelLMHead
 from mlac.runtime.runner import LaunchSpec, ModelRunner, RuntimeOptions, make_cache, make_runner
 from mlac.runtime.sampling import SamplingParams, TokenLogprob, make_generator
 from mlac.runtime.scheduler import (  # noqa: F401  (find_stop: re-exported)
@@ -229,15 +233,17 @@ class Engine:
         max_running_requests (4-token prompts: absorbed-form prefills of 4-4·max tokens), and
         one-sequence prefills of 100 tokens (MHA form) and of the chunk size, each run a second time
         with the prefix cache on (an extend after a cached prefix); and one-sequence prefills of the
-        token counts that reach every tile config of the grouped MoE GEMMs up to the chunk size
-        (moe.moe_config_tokens: a burst of cached requests runs steps of any size in between).
+        token counts that meet every kernel variant (tile config, K split, ...) the GEMMs, the grouped
+        MoE and the router pick for steps of 1 to the chunk size tokens (step_variants.py: a burst of
+        cached requests, a prefill's tail, run eager steps of any size in between).
         Shapes that do not fit the KV cache or the context are left out."""
         if self.device.type != "cuda" and not force:
             return []
         limits = self.scheduler_config
         shapes = [(n, 4) for n in sorted({1, 3, 16, limits.max_running_requests})]
         single = sorted({100, limits.chunked_prefill_size})
-        shapes += [(1, n) for n in sorted(set(single) | set(self._moe_lengths(limits.chunked_prefill_size)))]
+        variants = self._variant_lengths(limits.chunked_prefill_size)
+        shapes += [(1, n) for n in sorted(set(single) | set(variants))]
         vocab, alloc, ran = self.config.vocab_size, self.cache.allocator, []
         for k, (n_seq, want) in enumerate(shapes):
             length = min(want, self.max_context - 2)  # prompt + 2 tokens fit the context
@@ -246,20 +252,33 @@ class Engine:
             # each shape's own prompts (k): one shape's must not be a cached prefix of the next's
             prompts = [[3 + (i * 31 + j * 7 + k * 13) % (vocab - 3) for j in range(length)] for i in range(n_seq)]
             self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
-            twice = n_seq == 1 and want in single  # the MoE lengths once: their MoE shapes are met
+            twice = n_seq == 1 and want in single  # the variants' lengths once: their kernels are met
             if self.scheduler_config.prefix_cache and twice and length > alloc.block_size:
                 self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # an extend after a cached prefix
             ran.append((n_seq, length))
         return ran
 
-    def _moe_lengths(self, max_tokens: int) -> list[int]:
-        """Prompt lengths whose one-sequence prefills meet every grouped-MoE tile config (none
-        without MoE layers)."""
-        moe = next((layer.ffn for layer in self.runner.model.layers if isinstance(layer.ffn, MoE)), None)
-        if moe is None:
-            return []
-        fp8 = moe.w13_scale is not None
-        return moe_config_tokens(moe.n_local_experts, self.config.num_experts_per_tok, fp8, max_tokens)
+    def _variant_lengths(self, max_tokens: int) -> list[int]:
+        """Prompt lengths whose one-sequence prefills meet every kernel variant that a step of 1 to
+        max_tokens tokens picks (step_variants.warmup_token_counts, from this rank's weight shapes)."""
+        model = self.runner.model
+        layers = [*model.layers, *model.mtp]
+        mods = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+        # not an LM head (an MTP layer holds one): its M is the sequences, not the tokens
+        linears = {(*m.weight.shape, m.weight.dtype) for m in mods if not isinstance(m, ParallelLMHead)}
+        moe = next((layer.ffn for layer in model.layers if isinstance(layer.ffn, MoE)), None)
+        shapes = StepShapes(
+            sm_count(self.device),
+            fp8_linears=tuple(sorted((n, k) for n, k, dtype in linears if dtype == FP8)),
+            dense_linears=tuple(sorted((n, k) for n, k, dtype in linears if dtype in DENSE_DTYPES)),
+            moe=None if moe is None else self._moe_shape(moe),
+        )
+        return warmup_token_counts(shapes, max_tokens)
+
+    def _moe_shape(self, moe: MoE) -> MoeShape:
+        e, two_i, d = moe.w13.shape  # [E_local, 2I, D]
+        top_k, fp8 = self.config.num_experts_per_tok, moe.w13_scale is not None
+        return MoeShape(e, top_k, d, two_i // 2, fp8)
 
     # ---- requests ----------------------------------------------------------------------------
 
