@@ -192,3 +192,43 @@ def test_mlac_serve_raises_the_engines_failure(art, monkeypatch):
     thread.join(CLIENT_TIMEOUT)
     assert isinstance(raised.value, EngineDead)
     assert answers and answers[0].status_code == 500
+
+
+def test_mlac_serve_exits_1_when_its_engine_process_is_killed(art):
+    """`mlac serve` (the engine in its own process): SIGKILL the engine's process; the server logs
+    one error line and exits 1 with `error: the engine failed: ...`."""
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "mlac.cli", "serve", str(art), "--port", str(port), "--dtype", "float32",
+           "--served-model-name", MODEL, "--no-verify", "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None
+            try:
+                return httpx.get(f"{url}/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, timeout=120)
+        (child,) = [k for k in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(k.cmdline())]
+        child.kill()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out
+    lines = out.strip().splitlines()
+    assert lines[-1] == "error: the engine failed: its process exited unexpectedly (exit code -9)", out
+    assert sum("the engine failed" in line for line in lines) == 2  # the log line and the exit's
