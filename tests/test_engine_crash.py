@@ -12,13 +12,15 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from mlac.errors import MlacError
 from mlac.runtime.serve import ServerConfig, ServerThread, load_engine
-from mlac.runtime.serve.loop import EngineDead, decode_error, encode_error
+from mlac.runtime.serve.loop import EngineDead, EngineLoop, decode_error, encode_error
+from mlac.runtime.serve.metrics import MetricsRecorder
 
 MODEL = "tiny"
 BUG = "'NoneType' object is not subscriptable"  # a bug in the loop's metrics code, say
@@ -99,6 +101,57 @@ def server_stopped(srv: ServerThread) -> bool:
 def test_a_dead_engine_crosses_the_pipe_as_itself():
     again = decode_error(*encode_error(EngineDead("the engine failed: x")))
     assert isinstance(again, EngineDead) and str(again) == "the engine failed: x"
+
+
+class RecordingOutlet:
+    """An Outlet that keeps what the loop posts and ends."""
+
+    def __init__(self):
+        self.posted: list[tuple] = []
+        self.ended: list = []
+
+    def post(self, sink, item) -> None:
+        self.posted.append((sink, item))
+
+    def end(self, sink) -> None:
+        self.ended.append(sink)
+
+    def send(self) -> None:
+        pass
+
+
+class BrokenAddEngine:
+    """An engine whose scheduler's `add` raises what no step turns into a request error."""
+
+    runner = SimpleNamespace(kv_pools=[])
+    closed = False
+
+    def scheduler(self):
+        return SimpleNamespace(has_unfinished=False, add=self._add)
+
+    def _add(self, seq) -> None:
+        raise KeyError("no such block")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_dead_loop_ends_every_request_it_took_even_those_not_yet_added():
+    """Two requests in one submit: the first kills the loop as it is added, the second is still in
+    the inbox; both end with EngineDead, the engine is closed, later submits are refused."""
+    engine, outlet, died = BrokenAddEngine(), RecordingOutlet(), threading.Event()
+    loop = EngineLoop(lambda: engine, MetricsRecorder(), 8, stats_interval=None, outlet=outlet)
+    loop.on_failure = died.set
+    loop.start()
+    wait_for(lambda: loop.ready)
+    loop.submit([SimpleNamespace(seq_id=0), SimpleNamespace(seq_id=1)], ["a", "b"])
+    assert died.wait(CLIENT_TIMEOUT)
+    assert [sink for sink, _ in outlet.posted] == ["a", "b"] and outlet.ended == ["a", "b"]
+    assert all(isinstance(e, EngineDead) and "KeyError" in str(e) for _, e in outlet.posted)
+    assert engine.closed and loop.num_unfinished == 0 and loop.failure is outlet.posted[0][1]
+    with pytest.raises(EngineDead, match="the engine failed: KeyError"):
+        loop.submit([SimpleNamespace(seq_id=2)], ["c"])
+    loop.stop()
 
 
 # ---- end to end, both modes --------------------------------------------------------------------
