@@ -444,19 +444,6 @@ def row_groups(
     return torch.tensor(row_groups_host(ctx_lens, q_lens, rows), dtype=torch.int32, device=device)
 
 
-def row_groups_device(ctx_lens: torch.Tensor, q_len: int, rows: int) -> torch.Tensor:
-    """[2, B * q_len] int32 on ctx_lens' device: `row_groups` of B sequences of q_len rows each,
-    sequence-major (sequence i's rows at i * q_len ..), from the cached lengths ctx_lens [B] on the
-    device. Device ops only (a CUDA graph replays it over new lengths): the same table as
-    `row_groups_host(ctx_lens, [q_len] * B, rows)`."""
-    j = torch.arange(q_len, device=ctx_lens.device)  # [q] a row's index in its sequence
-    first = j // rows * rows  # [q] its group's first row
-    n = (q_len - first).clamp(max=rows)  # [q] its group's rows
-    lead = torch.where(j == first, n, 0).expand(len(ctx_lens), q_len)  # [B, q]
-    kv_len = ctx_lens[:, None] + (first + n)[None, :]  # [B, q] the group's last row's seq_len
-    return torch.stack([lead, kv_len]).reshape(2, -1).to(torch.int32)
-
-
 @cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -669,7 +656,6 @@ __all__ = [
     "mla_decode_triton",
     "prefer_row_groups",
     "row_groups",
-    "row_groups_device",
     "row_groups_host",
     "used_splits_ref",
 ]

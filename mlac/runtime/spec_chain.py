@@ -23,16 +23,6 @@ slots, sequence lengths and tables are views of one derivation.
     nxt[:, i] = (top_a, c + a + 1): the next step's last token and cached length, so that the
                 next step of the same sequences can start before the host reads out (run_next)
 
-The verify's rows attend in mla_decode's grouped form where prefer_row_groups says so for K + 1
-rows per sequence (few heads; not under MLAC_MLA_ROW_GROUPS=0): one program then loads each KV tile
-once for a run of a sequence's rows instead of once per row. That form wants a sequence's rows
-consecutive, so the verify and the refresh run sequence-major: row i * (K + 1) + j is sequence i's
-position c_i + j, the same rows as above transposed on the device (ids in, top out: transpose_rows;
-the batch built so by chain_batches), and the state is g'[i * (K + 1) + a]. Its row-groups input is
-static in shape (every sequence, padding ones too, has exactly K + 1 rows: runs of group_rows) and
-takes its lengths from c on the device (mla_decode.row_groups_device). The drafts stay j-major,
-one row per sequence; so does everything where grouping is not preferred.
-
 A sequence that stays in the batch keeps its state in the graph's rows (`g`, `tokens`), so a
 steady batch needs nothing but the one copy in and the one copy out. The refresh is exact for a
 sequence that goes on: it appended a + 1 tokens t_n..t_{n+a} = top_0..top_a, so its MTP entries at
@@ -46,8 +36,6 @@ from __future__ import annotations
 import torch
 
 from mlac.errors import MlacError
-from mlac.kernels.mla_decode import decode_group_rows, prefer_row_groups, row_groups_device
-from mlac.runtime.attention_forms import ROW_GROUPS
 from mlac.runtime.graphs import capture_buckets, pick_bucket
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.model import DeepseekModel
@@ -104,41 +92,30 @@ class ChainInputs:
 
 
 def chain_batches(
-    inputs: ChainInputs, bs: int, k: int, block_size: int, group_rows: int = 1
+    inputs: ChainInputs, bs: int, k: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """(ids [bs] of t_{n-1}, cached lengths [bs], [the verify's ForwardBatch of all (k + 1) bs rows,
-    then the draft batches of row block j = 0..k - 1]) from the inputs' first bs rows (module doc:
-    row j * bs + i is position c_i + j). `group_rows` > 1: the verify's rows are sequence-major
-    instead (row i * (k + 1) + j), with mla_decode's row groups of at most group_rows rows."""
+    """(ids [bs] of t_{n-1}, cached lengths [bs], [ForwardBatch of all (k + 1) bs rows, then of row
+    block j = 0..k - 1]) from the inputs' first bs rows (module doc: row j * bs + i is position
+    c_i + j)."""
     last, ctx, tab = inputs.unpack(bs)  # [bs], [bs], [bs, W]
     dev = tab.device
-    positions = ctx[None, :] + torch.arange(k + 1, device=dev)[:, None]  # [k + 1, bs] j-major
-    blocks = tab.t().gather(0, positions // block_size)  # [k + 1, bs]: blocks[j, i] = tab[i, ...]
+    steps = torch.arange(k + 1, device=dev)[:, None]  # [k + 1, 1]
+    positions = (ctx[None, :] + steps).reshape(-1)  # [R] j-major
+    tables = tab.repeat(k + 1, 1)  # [R, W]
+    blocks = tables.gather(1, (positions // block_size)[:, None])[:, 0]
     slots = blocks * block_size + positions % block_size
-    tab = tab.to(torch.int32)
+    tables, seq_lens = tables.to(torch.int32), (positions + 1).to(torch.int32)
     cu = torch.arange((k + 1) * bs + 1, dtype=torch.int32, device=dev)
     none = torch.zeros(0, dtype=torch.int64, device=dev)
 
-    def rows(pos: torch.Tensor, slot: torch.Tensor, tables: torch.Tensor, groups=None) -> ForwardBatch:
-        n = len(pos)
+    def rows(a: int, b: int) -> ForwardBatch:
         return ForwardBatch(
-            is_decode=True, q_lens=(1,) * n, ctx_lens=(0,) * n, positions=pos, slots=slot,
-            block_tables=tables, seq_lens=(pos + 1).to(torch.int32), cu_seqlens_q=cu[: n + 1],
-            cu_seqlens_kv=cu[: n + 1], kv_slots=none, row_groups=groups,
+            is_decode=True, q_lens=(1,) * (b - a), ctx_lens=(0,) * (b - a), positions=positions[a:b],
+            slots=slots[a:b], block_tables=tables[a:b], seq_lens=seq_lens[a:b], cu_seqlens_q=cu[: b - a + 1],
+            cu_seqlens_kv=cu[: b - a + 1], kv_slots=none,
         )  # fmt: skip
 
-    drafts = [rows(positions[j], slots[j], tab) for j in range(k)]
-    if group_rows == 1:
-        return last, ctx, [rows(positions.reshape(-1), slots.reshape(-1), tab.repeat(k + 1, 1)), *drafts]
-    tables = tab[:, None].expand(bs, k + 1, tab.shape[1]).reshape(-1, tab.shape[1])  # [R, W] seq-major
-    groups = row_groups_device(ctx, k + 1, group_rows)  # [2, R]
-    verify = rows(positions.t().reshape(-1), slots.t().reshape(-1), tables, groups)
-    return last, ctx, [verify, *drafts]
-
-
-def transpose_rows(x: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
-    """x [outer * inner, ...] with row o * inner + i -> rows i * outer + o (j-major <-> sequence-major)."""
-    return x.view(outer, inner, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+    return last, ctx, [rows(0, (k + 1) * bs), *[rows(j * bs, (j + 1) * bs) for j in range(k)]]
 
 
 def accepted(drafts: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -153,16 +130,8 @@ class ChainGraphs:
     hold each sequence's MTP output at n - 2 and its draft d_0 between steps."""
 
     def __init__(
-        self,
-        model: DeepseekModel,
-        cache: PagedKVCache,
-        buckets: list[int],
-        max_context: int,
-        k: int,
-        row_groups: bool = True,
+        self, model: DeepseekModel, cache: PagedKVCache, buckets: list[int], max_context: int, k: int
     ):
-        """`row_groups`: the verify in the grouped form where prefer_row_groups says so for K + 1 rows
-        per sequence (module docstring; not under MLAC_MLA_ROW_GROUPS=0)."""
         if not buckets or k < 1 or k + 1 > cache.block_size:
             raise MlacError(
                 f"chain graphs: buckets {buckets}, K = {k} (1 <= K < block size {cache.block_size})"
@@ -175,10 +144,6 @@ class ChainGraphs:
         self.out = torch.zeros(max_bs, 2 * k + 1, dtype=torch.int64, device=device)
         # [2, bs]: each sequence's next last token t_{n+a} and cached length n + a, as accepted
         self.nxt = torch.zeros(2, max_bs, dtype=torch.int64, device=device)
-        heads, kv_dtype = model.layers[0].attn.n_local_heads, cache.layers[0].dtype
-        grouped = row_groups and ROW_GROUPS and prefer_row_groups([k + 1], heads, device, kv_dtype)
-        # rows per group of the verify's grouped form; 1: the per-row form, j-major
-        self.group_rows = decode_group_rows(heads, device, kv_dtype) if grouped else 1
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -192,22 +157,18 @@ class ChainGraphs:
         return self.model.mtp[0].head(g).float().argmax(dim=-1)
 
     def _step(self, bs: int) -> None:
-        k, model, cache, seq_major = self.k, self.model, self.cache, self.group_rows > 1
-        last, ctx, (verify, *blocks) = chain_batches(  # ctx: n - 1
-            self.inputs, bs, k, cache.block_size, self.group_rows
-        )
+        k, model, cache = self.k, self.model, self.cache
+        last, ctx, (every, *blocks) = chain_batches(self.inputs, bs, k, cache.block_size)  # ctx: n - 1
         cols, x = [last, self.tokens[:bs]], self.g[:bs]
         for j in range(1, k):  # d_j (token n + j) from the MTP at position n - 2 + j over (g, d_{j-1})
             x = model.draft(x, cols[j], blocks[j - 1], cache)  # [bs, D]
             cols.append(self.pick(x, ctx + 1 + j))
         ids = torch.cat(cols)  # [(k + 1) bs] j-major
-        hidden = model(transpose_rows(ids, k + 1, bs) if seq_major else ids, verify, cache)  # the verify
-        top = model.logits(hidden).argmax(dim=-1)  # [(k + 1) bs] in the verify's row order
-        g = model.draft(hidden, top, verify, cache)  # the refresh, every row (the verify's order)
-        top = transpose_rows(top, bs, k + 1) if seq_major else top  # j-major
+        hidden = model(ids, every, cache)  # the verify
+        top = model.logits(hidden).argmax(dim=-1)  # [(k + 1) bs]
         a = accepted(ids[bs:].view(k, bs), top.view(k + 1, bs))  # [bs]
-        i = torch.arange(bs, device=a.device)
-        rows = i * (k + 1) + a if seq_major else a * bs + i  # sequence i's row a in g
+        g = model.draft(hidden, top, every, cache)  # the refresh, every row
+        rows = a * bs + torch.arange(bs, device=a.device)
         self.g[:bs].copy_(g.index_select(0, rows))
         self.tokens[:bs].copy_(self.pick(self.g[:bs], ctx + a + 2))  # token n + a + 1
         self.out[:bs].copy_(torch.cat([ids[bs:].view(k, bs), top.view(k + 1, bs)]).t())
