@@ -144,8 +144,9 @@ class Api:
 
     async def health(self):
         loop, draining = self.loop, self.state.draining
-        if loop.load_error is not None:
-            return JSONResponse({"status": "failed", "error": str(loop.load_error)}, status_code=503)
+        error = loop.load_error or loop.failure  # failed to load, or died since (loop.EngineDead)
+        if error is not None:
+            return JSONResponse({"status": "failed", "error": str(error)}, status_code=503)
         if not loop.ready or draining:
             return JSONResponse({"status": "draining" if draining else "loading"}, status_code=503)
         return {"status": "ok", "startup": getattr(loop.engine, "startup", None)}  # launch.record_startup

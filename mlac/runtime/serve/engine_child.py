@@ -11,8 +11,11 @@ engine -> server (`ops`: the metric ops recorded since the last message, metrics
     ("ready", info, ops)              info: the engine's `startup` dict and `max_context`
     ("failed", str, repr, is_mlac, ops)  loading failed: str(error), repr(error), an MlacError?
     ("step", items, ended, ops)       ONE per engine step: items [(rid, Delta | (kind, message))]
-                                      in the order produced (kind: "shutdown" or "error"), ended
-                                      the rids whose request is over (nothing more comes for them)
+                                      in the order produced (kind: "shutdown", "dead" or "error"),
+                                      ended the rids whose request is over (nothing more comes for them)
+    ("dead", message)                 the engine died (an exception escaped its loop; every request
+                                      ended with it already): the server stops this process, which
+                                      then exits with code 1
 
 A request id (rid) is the Sequence's seq_id on both sides.
 """
@@ -89,7 +92,7 @@ def run(
 ) -> None:
     """The engine process's life: load (`load()`, default engine_start.load_engine(config), on the engine
     thread), then apply the server's messages until it says stop or goes away; then stop the
-    engine (what is left ends with an error). `ranks`: the artifact's other ranks on this node,
+    engine (what is left ends with an error). An engine that died exits the process with code 1. `ranks`: the artifact's other ranks on this node,
     spawned already (engine_process.py): the default load hands them their work; they are
     closed if it did not (the load failed first, or a custom `load`)."""
     log_to_stderr(log_level)
@@ -103,11 +106,14 @@ def run(
                       PipeOutlet(channel, metrics))  # fmt: skip
     loop.on_ready = lambda: channel.send(("ready", _ready_info(loop.engine), metrics.take()))
     loop.on_load_error = lambda: channel.send(_failed(loop.load_error, metrics))
+    loop.on_failure = lambda: channel.send(("dead", str(loop.failure)))
     loop.start()
     try:
         _apply_messages(conn, loop, channel)
     finally:
         loop.stop()
+    if loop.failure is not None:
+        sys.exit(1)  # the engine died: not a clean stop
 
 
 def _closing(load: Callable[[], Any], ranks: NodeRanks | None) -> Callable[[], Any]:

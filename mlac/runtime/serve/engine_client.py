@@ -1,5 +1,5 @@
 """The server's side of the process split: EngineClient offers the routes and the launcher what
-EngineLoop offers them (submit, cancel, fail_all, stop, ready, load_error, engine), over an engine
+EngineLoop offers them (submit, cancel, fail_all, stop, ready, load_error, failure, engine), over an engine
 in its own process (engine_process.py, engine_child.py has the messages).
 
 The server's process holds the artifact's tokenizer and manifest, no weights and no device:
@@ -27,7 +27,15 @@ from mlac.runtime.constrain import Grammars
 from mlac.runtime.sampling import SamplingParams
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_process import EngineProcess
-from mlac.runtime.serve.loop import Outbox, ShuttingDown, Sink, check_room, decode_error, hand_over
+from mlac.runtime.serve.loop import (
+    EngineDead,
+    Outbox,
+    ShuttingDown,
+    Sink,
+    check_room,
+    decode_error,
+    hand_over,
+)
 from mlac.runtime.serve.metrics import Metrics, replay
 from mlac.runtime.tokenizer import Tokenizer
 
@@ -111,7 +119,9 @@ def load_tokenizer(config: ServerConfig) -> Tokenizer | None:
 class EngineClient:
     """EngineLoop's interface over the engine's process. Sends `config` (and `load`, see
     EngineProcess.configure) at once: the child starts loading; `start` starts the reader
-    thread, which loads the tokenizer meanwhile."""
+    thread, which loads the tokenizer meanwhile. An engine that dies after it loaded (its loop
+    failed, or its process is gone) ends every request with EngineDead and refuses later ones, as
+    EngineLoop does: `failure` says why, `on_failure` is called on the reader thread."""
 
     def __init__(
         self,
@@ -126,11 +136,13 @@ class EngineClient:
         self.engine: FrontEngine | None = None
         self.load_error: BaseException | None = None
         self.on_load_error = None  # called (on the reader thread) when loading fails
+        self.failure: EngineDead | None = None
+        self.on_failure = None  # called (on the reader thread) when the engine died after it loaded
         self._ready = threading.Event()
         self._lock = threading.Lock()  # guards _unfinished, _refusing, _sinks
         self._send_lock = threading.Lock()
         self._unfinished = 0
-        self._refusing: str | None = None
+        self._refusing: MlacError | None = None
         self._stopping = False
         self._sinks: dict[int, Sink] = {}
         self._reader = threading.Thread(target=self._main, name="mlac-engine-client", daemon=True)
@@ -151,7 +163,7 @@ class EngineClient:
 
     def submit(self, requests: list[Request], sinks: list[Sink]) -> None:
         """Send requests to the engine (all or none); QueueFull past max_unfinished, ShuttingDown
-        after fail_all or once the engine's process is gone."""
+        after fail_all, EngineDead once the engine died."""
         with self._lock:
             check_room(self._unfinished, len(requests), self.max_unfinished, self._refusing)
             self._unfinished += len(requests)
@@ -164,7 +176,8 @@ class EngineClient:
     def fail_all(self, message: str) -> None:
         """As EngineLoop.fail_all: the engine ends every request with ShuttingDown(message)."""
         with self._lock:
-            self._refusing = message
+            if self.failure is None:
+                self._refusing = ShuttingDown(message)
         self._send(("fail", message))
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -208,6 +221,9 @@ class EngineClient:
                 replay(self.metrics, message[4])
                 error = MlacError(message[1]) if message[3] else RemoteError(message[1], message[2])
                 self._failed(error, logged=True)  # the engine's process logged it
+            elif kind == "dead":  # the engine's process logged it; it exits once told to stop
+                self._die(EngineDead(message[1]))
+                self._send(("stop",))
 
     def _on_step(self, items: list[tuple], ended: list[int], ops: list) -> None:
         """One engine step: metrics, then each event loop its items in one call, then the ends."""
@@ -232,20 +248,30 @@ class EngineClient:
             self.on_load_error()
 
     def _engine_gone(self) -> None:
-        """The pipe closed: at stop, the end; before ready, a load failure; else a crash that
-        fails every unfinished request (500) and refuses new ones."""
+        """The pipe closed: at stop, the end; before ready, a load failure; after a "dead" message,
+        nothing more to do; else the process died (killed, a crash): the engine is dead."""
         self.process.process.join(5.0)
         code = self.process.process.exitcode
         if not self.ready and self.load_error is None and not self._stopping:
             self._failed(MlacError(f"the engine process exited (exit code {code}) before the model loaded"))
-            return
-        if self._stopping:
-            error: MlacError = ShuttingDown("server shutting down")
-        else:
-            error = MlacError(f"the engine process exited unexpectedly (exit code {code})")
+        elif self._stopping:
+            self._end_all(ShuttingDown("server shutting down"))
+        elif self.failure is None:
+            error = EngineDead(f"the engine failed: its process exited unexpectedly (exit code {code})")
             log.error("%s", error)
+            self._die(error)
+
+    def _die(self, error: EngineDead) -> None:
+        """The engine died: `failure`, every unfinished request ended with it, `on_failure`."""
+        self.failure = error
+        self._end_all(error)
+        if self.on_failure is not None:
+            self.on_failure()
+
+    def _end_all(self, error: MlacError) -> None:
+        """Refuse new requests with `error` and end every unfinished one with it."""
         with self._lock:
-            self._refusing = str(error)
+            self._refusing = error
             sinks, self._sinks, self._unfinished = list(self._sinks.values()), {}, 0
         outbox: Outbox = {}
         for sink in sinks:

@@ -12,6 +12,8 @@ is still importing. The child reads the artifact's manifest first and, for a mul
 spawns this node's other ranks before it imports torch (world.start_node_ranks): every rank
 imports torch at once. The child ignores SIGINT and SIGTERM: the server process drains and then
 tells it to stop; it also stops when the server process goes away (its end of the pipe closes).
+It exits 1 when its engine died (engine_child.run); the server's process takes its death, or the
+child's, as a dead engine (engine_client.EngineClient).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ and waits for open connections. Running requests get `drain_timeout` seconds to 
 `EngineLoop.fail_all` ends the rest with an error (a stream: an error event, then
 `data: [DONE]`), and uvicorn waits DRAIN_GRACE more seconds for those answers to go out before
 it cuts what is left.
+
+An engine that fails (to load, or after it loaded: loop.EngineDead) stops the server at once: the
+listening socket closes and uvicorn sends the answers in flight (each request already has its
+error); `serve` then raises the failure (`mlac serve` exits 1), for an orchestrator to restart it.
 """
 
 from __future__ import annotations
@@ -95,8 +99,8 @@ def make_server(
 ) -> DrainingServer:
     """A uvicorn server for the app over `load()` (default: load_engine) on an engine thread, or,
     with `config.engine_process`, in the engine's own process (`process`, an EngineProcess started
-    early, or one started now; `load` must then pickle). A load failure stops the server (serve()
-    then reports it)."""
+    early, or one started now; `load` must then pickle). A load failure, or the engine's death
+    after it loaded, stops the server (serve() then reports it)."""
     if load is None and not config.engine_process:
         load = lambda: load_engine(config)  # noqa: E731
     app = create_app(config, load, process, log_level)
@@ -105,10 +109,10 @@ def make_server(
                                timeout_graceful_shutdown=config.drain_timeout + DRAIN_GRACE)  # fmt: skip
     server = DrainingServer(uv_config, state)
 
-    def stop_on_load_error() -> None:
+    def stop_on_engine_error() -> None:  # its requests got their errors already: uvicorn sends them
         server.should_exit = True
 
-    state.loop.on_load_error = stop_on_load_error
+    state.loop.on_load_error = state.loop.on_failure = stop_on_engine_error
     return server
 
 
@@ -147,6 +151,8 @@ def serve(config: ServerConfig, log_level: str = "info", process: Any = None) ->
         raise error
     if error is not None:
         raise MlacError(f"loading {config.artifact} failed: {error!r}")
+    if server.state.loop.failure is not None:
+        raise server.state.loop.failure
 
 
 class ServerThread:

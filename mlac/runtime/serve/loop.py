@@ -88,11 +88,17 @@ class ShuttingDown(MlacError):
     """The server is draining and its drain timeout expired, or it has stopped."""
 
 
-def check_room(unfinished: int, n: int, limit: int, refusing: str | None) -> None:
-    """Whether n more requests may be submitted (under the caller's lock): ShuttingDown once new
-    requests are refused (`refusing` says why), QueueFull when they would pass `limit`."""
+class EngineDead(MlacError):
+    """The engine failed after it loaded (an exception escaped its loop, or its process died): the
+    requests it held end with this error (500), later ones are refused with it (503)."""
+
+
+def check_room(unfinished: int, n: int, limit: int, refusing: MlacError | None) -> None:
+    """Whether n more requests may be submitted (under the caller's lock): once new requests are
+    refused, `refusing` (ShuttingDown or EngineDead, raised anew), QueueFull when they would pass
+    `limit`."""
     if refusing is not None:
-        raise ShuttingDown(refusing)
+        raise type(refusing)(str(refusing))
     if unfinished + n > limit:
         raise QueueFull(f"server busy: {unfinished} requests queued or running; retry later")
 
@@ -101,6 +107,9 @@ class EngineLoop:
     """The engine's one thread: loads the model, then runs scheduler steps. Other threads
     `submit` Sequences and `cancel` them through a thread-safe inbox; each Delta (or an
     exception, if a step fails) goes to the request's sink, called on the engine thread.
+    An exception that escapes the loop itself (a bug outside the step) kills the engine: every
+    request it holds ends with EngineDead, later ones are refused with it, `failure` says why and
+    `on_failure` is called (the launcher stops the server: launch.make_server).
     It counts each request's outcome in `metrics` when the request ends, writes the stats line
     every `stats_interval` seconds while busy (None: never) and, with `log_requests`, a line per
     request at arrival and at its end (stats.py)."""
@@ -123,13 +132,15 @@ class EngineLoop:
         self.scheduler = None
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[], None] | None = None
+        self.failure: EngineDead | None = None  # set when the engine died after it loaded
+        self.on_failure: Callable[[], None] | None = None  # called on the engine thread, after the ends
         self.on_ready: Callable[[], None] | None = None
         self._outlet: Outlet = outlet or AsyncioOutlet()
         self._inbox: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._unfinished = 0  # submitted, not yet finished (guarded by _lock)
-        self._refusing: str | None = None  # set by fail_all: why new requests are refused
+        self._refusing: MlacError | None = None  # set by fail_all or a failure: why new requests are refused
         self._sinks: dict[int, Any] = {}  # seq_id -> its sink (what the outlet takes)
         self._last_token: dict[int, float] = {}
         self._queued: set[int] = set()  # added, never run yet (for the queue-time histogram)
@@ -150,14 +161,14 @@ class EngineLoop:
 
     def submit(self, seqs: list[Sequence], sinks: list[Any]) -> None:
         """Queue requests for the engine (all or none); QueueFull past max_unfinished,
-        ShuttingDown after fail_all."""
-        with self._lock:
+        ShuttingDown after fail_all, EngineDead once the engine failed."""
+        with self._lock:  # NOTE: the puts too: a failing engine takes, under it, every one accepted
             check_room(self._unfinished, len(seqs), self.max_unfinished, self._refusing)
             self._unfinished += len(seqs)
-        for seq, sink in zip(seqs, sinks, strict=True):
-            if self.log_requests:
-                log_arrival(seq.seq_id, len(seq.prompt_ids), seq.params)
-            self._inbox.put(("add", seq, sink))
+            for seq, sink in zip(seqs, sinks, strict=True):
+                if self.log_requests:
+                    log_arrival(seq.seq_id, len(seq.prompt_ids), seq.params)
+                self._inbox.put(("add", seq, sink))
 
     def cancel(self, seq_id: int) -> None:
         self._inbox.put(("cancel", seq_id))
@@ -166,7 +177,8 @@ class EngineLoop:
         """End every unfinished request with ShuttingDown(message) and refuse new ones (the
         drain timeout expired): each handler answers an error instead of being cut off."""
         with self._lock:
-            self._refusing = message
+            if self.failure is None:
+                self._refusing = ShuttingDown(message)
         self._inbox.put(("fail", message))
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -194,18 +206,42 @@ class EngineLoop:
         if self.on_ready is not None:
             self.on_ready()
         try:
-            while self._take_inbox(block=not self.scheduler.has_unfinished):
-                self._send()
-                if self.scheduler.has_unfinished:
-                    self._step()
-                    self._send()
-                    self._log_stats()
-        finally:
-            for seq in self.scheduler.abort_all():
-                self._deliver(seq, time.monotonic())
-            self._refuse_inbox()
+            self._serve()
+        except BaseException as e:  # noqa: BLE001  (the engine is dead: see _die)
+            self._die(e)
+            return
+        for seq in self.scheduler.abort_all():
+            self._deliver(seq, time.monotonic())
+        self._refuse_inbox()
+        self._send()
+        self.engine.close()
+
+    def _serve(self) -> None:
+        """Steps until asked to stop."""
+        while self._take_inbox(block=not self.scheduler.has_unfinished):
             self._send()
-            self.engine.close()
+            if self.scheduler.has_unfinished:
+                self._step()
+                self._send()
+                self._log_stats()
+
+    def _die(self, e: BaseException) -> None:
+        """An exception escaped the loop: refuse new requests, end every one held (submitted ones
+        still in the inbox included) with EngineDead, close the engine, call `on_failure`. Touches
+        neither the scheduler nor the metrics (either may be what broke)."""
+        error = EngineDead(f"the engine failed: {type(e).__name__}: {e}")
+        log.error("%s", error, exc_info=e)  # a bug: its traceback goes to the log with it
+        with self._lock:
+            self.failure = self._refusing = error
+            sinks = [*self._sinks.values(), *(i[2] for i in _drain(self._inbox) if i[0] == "add")]
+            self._sinks, self._unfinished = {}, 0
+        for sink in sinks:
+            self._post(sink, error)
+            self._outlet.end(sink)
+        _log_failure(self._send, "sending the requests' errors")
+        _log_failure(self.engine.close, "closing the engine")
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _refuse_inbox(self) -> None:
         """At shutdown: requests submitted but never added get an error instead of silence."""
@@ -369,14 +405,33 @@ class EngineLoop:
         self._outlet.send()
 
 
+def _drain(inbox: queue.Queue) -> list[tuple]:
+    """Every item queued now, in order."""
+    items = []
+    while True:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            return items
+
+
+def _log_failure(fn: Callable[[], None], what: str) -> None:
+    """fn(), on a dead engine: what it raises is logged, not raised (the rest must still run)."""
+    try:
+        fn()
+    except Exception:
+        log.exception("%s failed too", what)
+
+
 def encode_error(e: BaseException) -> tuple[str, str]:
     """An engine failure as plain data, to cross to the server's process: (kind, message)."""
-    return ("shutdown" if isinstance(e, ShuttingDown) else "error", str(e))
+    kind = "shutdown" if isinstance(e, ShuttingDown) else "dead" if isinstance(e, EngineDead) else "error"
+    return (kind, str(e))
 
 
 def decode_error(kind: str, message: str) -> MlacError:
     """encode_error's inverse: the exception Submission answers as in one process (503 / 500)."""
-    return ShuttingDown(message) if kind == "shutdown" else MlacError(message)
+    return {"shutdown": ShuttingDown, "dead": EngineDead}.get(kind, MlacError)(message)
 
 
 def _outcome(seq: Sequence, error: BaseException | None) -> str:
@@ -409,10 +464,12 @@ class Submission:
             raise ApiError(503, str(e), type="server_error", code="queue_full") from None
         except ShuttingDown as e:
             raise ApiError(503, str(e), type="server_error", code="draining") from None
+        except EngineDead as e:
+            raise ApiError(503, str(e), type="server_error", code="engine_dead") from None
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, Delta) until every request finished; an engine failure raises ApiError
-        (503 when the server is shutting down, 500 when a step failed)."""
+        (503 when the server is shutting down, 500 when a step failed or the engine died)."""
         async for batch in self.batches():
             for index, delta in batch:
                 yield index, delta
@@ -445,7 +502,9 @@ class Submission:
 
 
 def _api_error(e: BaseException) -> ApiError:
-    """An engine failure as the handler answers it: 503 shutting down, 500 a failed step."""
+    """An engine failure as the handler answers it: 503 shutting down, 500 a failed step or a dead
+    engine (the request was accepted: not to be retried blindly)."""
     if isinstance(e, ShuttingDown):
         return ApiError(503, str(e), type="server_error", code="draining")
-    return ApiError(500, str(e), type="server_error", code="engine_error")
+    code = "engine_dead" if isinstance(e, EngineDead) else "engine_error"
+    return ApiError(500, str(e), type="server_error", code=code)
