@@ -7,7 +7,9 @@
 Every request is one shared `--system-len`-token system prompt followed by a `--question-len`-token
 question of its own (random token ids, fixed seed; no two questions alike), streamed, `max_tokens`
 `--max-tokens`. For each concurrency C of `--concurrency`, C clients send requests back to back
-(closed loop) until max(`--requests-per-level`, C * `--per-client`) have been sent.
+(closed loop) until max(`--requests-per-level`, C * `--per-client`) have been sent; the clients are
+spread over `--client-procs` processes (one event loop each), so that one Python process's
+HTTP overhead does not bound a level.
 
 The same workload runs against two `mlac serve` processes of the artifact, one after the other:
 1. `--disable-radix-cache` ("cold"): every request prefills its whole prompt;
@@ -19,13 +21,12 @@ Per level: TTFT p50 / p90 / mean (first streamed token, from the send), the prom
 (prompt tokens, cached ones included, over the level's wall time), requests/s, and the prompt
 tokens the server reports as cached (`usage.prompt_tokens_details.cached_tokens`), so a "cached"
 level that missed shows as such. `speedup` holds cold / cached for each level's TTFT p50 and
-prompt throughput. From the server's /metrics, per level: its own mean TTFT and queue time (from
-the request's arrival at the engine), its engine steps and their mean tokens
-(`mlac:iteration_tokens_total`: how well the arrivals batch), its JIT compiles; and this client's
-CPU seconds per wall second (near 1: the client, one Python process, bounds the level). Before the levels
-each server gets two requests of another system prompt
-(shapes; a prepared artifact compiles nothing). The JSON also holds the device, versions, the
-server commands and start-ups.
+prompt throughput. From the server's /metrics, per level: its own mean TTFT and queue time
+(from the request's arrival at the server, after its body is parsed), its engine steps and their
+mean tokens (`mlac:iteration_tokens_total`: how well the arrivals batch), its JIT compiles; and
+the busiest client process's CPU seconds per wall second (near 1: the clients bound the level).
+Before the levels each server gets two requests of another system prompt (shapes; a prepared
+artifact compiles nothing). The JSON also holds the device, versions, the server commands and start-ups.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import sys
@@ -77,21 +79,54 @@ async def stream_request(
     }
 
 
-async def closed_loop(
-    client, url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
-):
-    """`concurrency` workers send `prompts` back to back; (results in prompt order, wall seconds)."""
+TIMEOUTS = httpx.Timeout(connect=60.0, read=300.0, write=60.0, pool=None)
+LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+
+async def closed_loop(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int):
+    """`concurrency` workers send `prompts` back to back over one client; results in prompt order."""
     queue = list(enumerate(prompts))
     results: list[dict | None] = [None] * len(prompts)
+    async with httpx.AsyncClient(timeout=TIMEOUTS, limits=LIMITS, trust_env=False) as client:
 
-    async def worker() -> None:
-        while queue:
-            i, prompt = queue.pop(0)
-            results[i] = await stream_request(client, url, model, prompt, max_tokens)
+        async def worker() -> None:
+            while queue:
+                i, prompt = queue.pop(0)
+                results[i] = await stream_request(client, url, model, prompt, max_tokens)
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return results, time.perf_counter() - t0
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+def client_process(
+    url: str, model: str, prompts: list[list[int]], workers: int, max_tokens: int, start_at: float
+):
+    """In a client process: wait until `start_at` (perf_counter is CLOCK_MONOTONIC, one clock for
+    every process), run its share closed-loop; (results, end time, CPU seconds)."""
+    time.sleep(max(0.0, start_at - time.perf_counter()))
+    cpu = time.process_time()
+    results = asyncio.run(closed_loop(url, model, prompts, workers, max_tokens))
+    return results, time.perf_counter(), time.process_time() - cpu
+
+
+def run_level(
+    clients: tuple, url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+):
+    """The level over `clients` = (a process pool, its size): P = min(size, concurrency) processes,
+    process p sending prompts p, p + P, ... with its share of the workers. (results in prompt order,
+    wall seconds, the busiest process's CPU seconds per wall second: near 1, the clients bound it)."""
+    pool, size = clients
+    procs = min(size, concurrency)
+    workers = [concurrency // procs + (p < concurrency % procs) for p in range(procs)]
+    start_at = time.perf_counter() + 0.2
+    jobs = [pool.apply_async(client_process, (url, model, prompts[p::procs], workers[p], max_tokens, start_at))
+            for p in range(procs)]  # fmt: skip
+    parts = [job.get() for job in jobs]
+    results: list[dict] = [{}] * len(prompts)
+    for p, part in enumerate(parts):
+        results[p::procs] = part[0]
+    wall = max(part[1] for part in parts) - start_at
+    return results, wall, round(max(part[2] for part in parts) / wall, 3)
 
 
 SERVER_SAMPLES = (
@@ -161,33 +196,28 @@ class Prompts:
         return [self.system + self.ids(self.question_len) for _ in range(n)]
 
 
-async def workload(url: str, model: str, prompts: Prompts, args, prime: bool) -> dict:
-    timeouts = httpx.Timeout(connect=60.0, read=300.0, write=60.0, pool=None)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+def workload(clients: tuple, url: str, model: str, prompts: Prompts, args, prime: bool) -> dict:
     out: dict = {"levels": {}}
-    async with httpx.AsyncClient(timeout=timeouts, limits=limits, trust_env=False) as client:
-        other = prompts.ids(len(prompts.system))  # warm-up: a system prompt the workload never sends
-        for _ in range(2):
-            await stream_request(
-                client, url, model, other + prompts.ids(prompts.question_len), args.max_tokens
-            )
-        if prime:
-            first = await stream_request(client, url, model, prompts.requests(1)[0], args.max_tokens)
-            out["priming_ttft_ms"] = round(first["ttft_s"] * 1000, 2)
-        for c in args.concurrency:
-            n = max(args.requests_per_level, c * args.per_client)
-            before, sent, cpu = server_samples(url), prompts.requests(n), time.process_time()
-            results, wall = await closed_loop(client, url, model, sent, c, args.max_tokens)
-            out["levels"][str(c)] = {
-                **level_summary(results, wall),
-                **server_view(before, server_samples(url)),
-                "client_cpu_per_wall": round((time.process_time() - cpu) / wall, 3),
-            }
-            print(f"concurrency {c}: {out['levels'][str(c)]}", flush=True)
+    other = prompts.ids(len(prompts.system))  # warm-up: a system prompt the workload never sends
+    warm = [other + prompts.ids(prompts.question_len) for _ in range(2)]
+    asyncio.run(closed_loop(url, model, warm, 1, args.max_tokens))
+    if prime:
+        first = asyncio.run(closed_loop(url, model, prompts.requests(1), 1, args.max_tokens))[0]
+        out["priming_ttft_ms"] = round(first["ttft_s"] * 1000, 2)
+    for c in args.concurrency:
+        n = max(args.requests_per_level, c * args.per_client)
+        before, sent = server_samples(url), prompts.requests(n)
+        results, wall, client_cpu = run_level(clients, url, model, sent, c, args.max_tokens)
+        out["levels"][str(c)] = {
+            **level_summary(results, wall),
+            **server_view(before, server_samples(url)),
+            "client_cpu_per_wall": client_cpu,
+        }
+        print(f"concurrency {c}: {out['levels'][str(c)]}", flush=True)
     return out
 
 
-def run_server(args, name: str, extra: list[str], vocab: int) -> dict:
+def run_server(clients: tuple, args, name: str, extra: list[str], vocab: int) -> dict:
     """One server of the artifact with `extra` flags: start-up, then the workload (primed when the
     radix cache is on); a fresh Prompts of the same seed, so both servers see the same ids."""
     port = serve_gpu.free_port()
@@ -203,7 +233,7 @@ def run_server(args, name: str, extra: list[str], vocab: int) -> dict:
         model = serve_gpu.get(url + "/v1/models").json()["data"][0]["id"]
         prompts = Prompts(vocab, args.seed, args.system_len, args.question_len)
         record.update(
-            asyncio.run(workload(url, model, prompts, args, prime="--disable-radix-cache" not in extra))
+            workload(clients, url, model, prompts, args, prime="--disable-radix-cache" not in extra)
         )
     finally:
         record["server_stop"] = server.stop()
@@ -242,16 +272,19 @@ def main() -> None:
     ap.add_argument("--concurrency", type=levels, default=[1, 4, 16, 64])
     ap.add_argument("--requests-per-level", type=int, default=16)
     ap.add_argument("--per-client", type=int, default=4, help="requests per client at each level (at least)")
+    ap.add_argument("--client-procs", type=int, default=4, help="client processes (each one event loop)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--serve-args", default="", help="more `mlac serve` flags for both servers, one string")
     args = ap.parse_args()
     vocab = serve_gpu.artifact_info(args.artifact).get("vocab_size") or 1000
+    # forked before any server, thread or event loop exists
+    clients = (multiprocessing.get_context("fork").Pool(args.client_procs), args.client_procs)
     record = {"benchmark": "shared-system-prompt workload, radix cache off then on",
               **serve_gpu.environment(args.device), "artifact": serve_gpu.artifact_info(args.artifact),
               "config": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     try:
-        record["cold"] = run_server(args, "cold", ["--disable-radix-cache"], vocab)
-        record["cached"] = run_server(args, "cached", [], vocab)
+        record["cold"] = run_server(clients, args, "cold", ["--disable-radix-cache"], vocab)
+        record["cached"] = run_server(clients, args, "cached", [], vocab)
         record["speedup"] = speedups(record["cold"], record["cached"])
         record["status"] = "done"
         print(json.dumps(record["speedup"], indent=1), flush=True)
@@ -259,6 +292,7 @@ def main() -> None:
         record["status"] = f"failed: {type(e).__name__}: {e}"
         raise
     finally:
+        clients[0].terminate()
         args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -205,14 +205,15 @@ class Sequence:
         )
 
 
-def shared_blocks(a: Seq[int], b: Seq[int], block_size: int) -> int:
-    """How many full leading blocks of token ids `a` and `b` have in common."""
-    n = 0
-    while (n + 1) * block_size <= min(len(a), len(b)):
-        if a[n * block_size : (n + 1) * block_size] != b[n * block_size : (n + 1) * block_size]:
-            break
-        n += 1
-    return n
+def shares_past(a: Seq[int], b: Seq[int], cached: int, block_size: int) -> bool:
+    """Whether token ids `a` and `b` share more full leading blocks than the `cached` tokens cover:
+    their first cached // block_size + 1 blocks are equal. The block just past `cached` is compared
+    first: requests that share only a cached system prompt differ there, so a burst of them costs a
+    short comparison per pair, not a walk over the whole prefix."""
+    end = (cached // block_size + 1) * block_size
+    if end > min(len(a), len(b)):
+        return False
+    return a[end - block_size : end] == b[end - block_size : end] and a[:end] == b[:end]
 
 
 def find_stop(text: str, new_chars: int, stops: Seq[str]) -> int | None:
@@ -439,12 +440,11 @@ class Scheduler:
         `seq`'s beyond what the prefix cache already holds (the n choices of one request, a burst
         sharing a system prompt): its prompt enters the cache when its prefill ends (_cache_prompt)."""
         bs = self.cache.allocator.block_size
-        for s in self.running:
-            if s.num_computed < len(s.prompt_ids) and s.prompt_ids[:bs] == seq.prompt_ids[:bs]:
-                shared = shared_blocks(s.prompt_ids, seq.prompt_ids[: seq.num_tokens - 1], bs)
-                if shared * bs > s.num_cached_tokens:
-                    return True
-        return False
+        mine = seq.prompt_ids[: seq.num_tokens - 1]  # its last token is always computed
+        return any(
+            s.num_computed < len(s.prompt_ids) and shares_past(s.prompt_ids, mine, s.num_cached_tokens, bs)
+            for s in self.running
+        )
 
     def _cache_prompt(self, seq: Sequence) -> None:
         """`seq`'s prompt is computed: its full blocks join the prefix cache now, not at its end."""
