@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from mlac.kernels.moe import moe_config_tokens, pick_moe_config
+from mlac.kernels.moe import pick_moe_config
 from mlac.runtime import model as model_module
 from mlac.runtime.engine import Engine
 from mlac.runtime.scheduler import SchedulerConfig
@@ -47,21 +46,6 @@ def test_server_load_warms_up_unless_told_not_to(artifact, monkeypatch):
         engine = load_engine(ServerConfig(artifact=artifact("tiny-v3"), num_blocks=32, warmup=warmup))
         engine.close()
     assert len(calls) == 1
-
-
-@pytest.mark.parametrize(
-    "experts, top_k, fp8", [(64, 6, False), (64, 6, True), (256, 8, True), (8, 2, False)]
-)
-def test_moe_config_tokens_name_the_largest_count_of_every_config(experts, top_k, fp8):
-    counts = moe_config_tokens(experts, top_k, fp8, 2048)
-    configs = [pick_moe_config(t * top_k, experts, fp8) for t in range(1, 2050)]  # configs[t - 1]: t tokens
-    assert {configs[t - 1] for t in counts} == set(configs[:2048])
-    assert all(t == 2048 or configs[t] != configs[t - 1] for t in counts)
-
-
-def test_moe_config_tokens_of_v2_lite():
-    assert moe_config_tokens(64, 6, False, 2048) == [256, 1024, 1365, 2048]  # bf16
-    assert moe_config_tokens(64, 6, True, 2048) == [256, 1024, 2048]  # FP8
 
 
 def test_warmup_meets_every_moe_tile_config(artifact, monkeypatch):

@@ -447,18 +447,6 @@ def pick_moe_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
     return MoeConfig(128, 128, 128, 64, num_warps=8, num_stages=3)
 
 
-def moe_config_tokens(num_experts: int, top_k: int, fp8: bool, max_tokens: int) -> list[int]:
-    """One token count per grouped-GEMM tile config that `pick_moe_config` picks for a step of 1 to
-    `max_tokens` tokens: the largest count of each (ascending). A step of each compiles every
-    variant of the grouped path (their batch-dependent integers are `dynamic`), so a warm-up that
-    runs them leaves no JIT compile to the requests (V2-Lite's two middle configs, steps of 257 to
-    1,365 tokens, were met only in serving: a cached burst split into such steps, issue 15)."""
-    largest: dict[MoeConfig, int] = {}
-    for t in range(1, max_tokens + 1):
-        largest[pick_moe_config(t * top_k, num_experts, fp8)] = t
-    return sorted(largest.values())
-
-
 def _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
     t, d = x.shape
     e, two_i, d1 = w13.shape
@@ -809,6 +797,5 @@ __all__ = [
     "fused_moe_ref",
     "fused_moe_triton",
     "moe_align",
-    "moe_config_tokens",
     "pick_moe_config",
 ]
