@@ -153,6 +153,10 @@ def test_cuda_graphs_give_the_tokens_of_the_same_step_run_eagerly(artifact, pres
     engine = Engine.from_artifact(path, **kw)
     graphs = engine.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
+    phases = {"graphs_eager_s", "graphs_capture_s"} | (
+        {"graphs_grouped_eager_s", "graphs_grouped_capture_s"} if graphs.grouped_buckets else set()
+    )
+    assert phases <= set(engine.runner.startup) and all(engine.runner.startup[k] > 0 for k in phases)
     unpadded = Engine.from_artifact(path, cuda_graph=False, **kw)
     assert unpadded.runner.graphs is None
     g = torch.Generator().manual_seed(3)

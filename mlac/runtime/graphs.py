@@ -54,13 +54,17 @@ def pick_bucket(buckets: list[int], batch: int) -> int | None:
 
 
 def capture_buckets(
-    buckets: list[int], step: Callable[[int], None], pool=None, timings: dict[str, float] | None = None
+    buckets: list[int],
+    step: Callable[[int], None],
+    pool=None,
+    timings: dict[str, float] | None = None,
+    label: str = "",
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], object]:
     """({bucket: graph}, pool): `step(bs)` captured for every bucket, largest first, into one memory
     pool (`pool`: another capture's, to share it). Each bucket runs once eagerly first (on padding
     rows), so that every kernel is compiled and every lazily made buffer exists before capture.
-    `timings`: adds the seconds of those eager runs (to their end on the GPU) to "eager_s" and of
-    the captures (recording and instantiation) to "capture_s" (start-up's phases, /health).
+    `timings`: adds the seconds of those eager runs (to their end on the GPU) to label + "eager_s"
+    and of the captures (recording and instantiation) to label + "capture_s" (start-up's phases).
 
     Other threads may run CUDA work meanwhile, on their own streams (the weights' load, see
     runner.build_runner): the capture is thread-local ("thread_local" mode: their calls are not
@@ -71,7 +75,8 @@ def capture_buckets(
     and the graph pool at once); torch.cuda.graph freed them only to hold the next step's."""
     graphs = {}
     stream = torch.cuda.Stream()  # captures run on a side stream, as torch.cuda.graph's do
-    spent = {"eager_s": 0.0, "capture_s": 0.0}
+    timings = {} if timings is None else timings
+    eager, captured = f"{label}eager_s", f"{label}capture_s"
     for bs in reversed(buckets):
         t0 = time.perf_counter()
         step(bs)
@@ -88,12 +93,9 @@ def capture_buckets(
         torch.cuda.current_stream().wait_stream(stream)
         pool = graph.pool()
         graphs[bs] = graph
-        spent["eager_s"] += t1 - t0
-        spent["capture_s"] += time.perf_counter() - t1
+        timings[eager] = timings.get(eager, 0.0) + t1 - t0
+        timings[captured] = timings.get(captured, 0.0) + time.perf_counter() - t1
     torch.cuda.current_stream().synchronize()
-    if timings is not None:
-        for key, seconds in spent.items():
-            timings[key] = timings.get(key, 0.0) + seconds
     return graphs, pool
 
 
@@ -240,9 +242,9 @@ class DecodeGraphs:
         self.graphs, self.pool = capture_buckets(self.buckets, self._step, self.pool, self.timings)
         if self.grouped_buckets:
             step = lambda bs: self._step(bs, grouped=True)  # noqa: E731
-            grouped: dict[str, float] = {}
-            self.grouped_graphs, self.pool = capture_buckets(self.grouped_buckets, step, self.pool, grouped)
-            self.timings.update({f"grouped_{k}": v for k, v in grouped.items()})
+            self.grouped_graphs, self.pool = capture_buckets(
+                self.grouped_buckets, step, self.pool, self.timings, label="grouped_"
+            )
 
     def grouped(self, step: Step) -> bool:
         """Whether `step` runs in the grouped form (module docstring)."""

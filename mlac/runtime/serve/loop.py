@@ -245,11 +245,7 @@ class EngineLoop:
 
     def _refuse_inbox(self) -> None:
         """At shutdown: requests submitted but never added get an error instead of silence."""
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for item in _drain(self._inbox):
             if item[0] == "add":
                 self._sinks[item[1].seq_id] = item[2]
                 self._finish(item[1], ShuttingDown("server shutting down"))
