@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from mlac.errors import MlacError
+from mlac.kernels._triton import tl, triton
 from mlac.runtime.engine import Engine
-from mlac.runtime.graphs import DecodeGraphs, DecodeInputs, pick_bucket
+from mlac.runtime.graphs import DecodeGraphs, DecodeInputs, capture_buckets, pick_bucket
 from mlac.runtime.kv_cache import PagedKVCache
 from mlac.runtime.runner import RuntimeOptions
 from mlac.runtime.sampling import SamplingParams
@@ -153,10 +154,12 @@ def test_cuda_graphs_give_the_tokens_of_the_same_step_run_eagerly(artifact, pres
     engine = Engine.from_artifact(path, **kw)
     graphs = engine.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
-    phases = {"graphs_eager_s", "graphs_capture_s"} | (
+    phases = {"graphs_eager_s", "graphs_capture_s", "graphs_eager_runs"} | (
         {"graphs_grouped_eager_s", "graphs_grouped_capture_s"} if graphs.grouped_buckets else set()
     )
     assert phases <= set(engine.runner.startup) and all(engine.runner.startup[k] > 0 for k in phases)
+    # warm_once: the largest bucket runs eagerly, and a later one only if it meets a new kernel variant
+    assert 1 <= engine.runner.startup["graphs_eager_runs"] <= len(graphs.graphs)
     unpadded = Engine.from_artifact(path, cuda_graph=False, **kw)
     assert unpadded.runner.graphs is None
     g = torch.Generator().manual_seed(3)
@@ -176,3 +179,38 @@ def test_cuda_graphs_give_the_tokens_of_the_same_step_run_eagerly(artifact, pres
         for x, y in zip(a, b, strict=True):  # prefill: flattened rows (absorbed) against eager
             for i in (0, 1):
                 assert abs(x.logprobs[i].top[0][1] - y.logprobs[i].top[0][1]) < 0.3, f"batch {n}"  # bf16/FP8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _double(x, y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y + offs, tl.load(x + offs, mask=mask) * 2, mask=mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_per_bucket", [False, True])
+def test_warm_once_runs_eagerly_only_for_new_kernel_variants(block_per_bucket):
+    """capture_buckets(warm_once=True): after the largest bucket's eager run, a bucket whose Triton
+    variants are all loaded is captured at once; one whose variant is new (here BLOCK = 2 x the bucket)
+    drops its capture, runs eagerly and is captured again. Every graph replays the right result."""
+    buckets = [16, 32, 48, 64] if not block_per_bucket else [16, 32, 64]
+    x = torch.randn(64, device="cuda")
+    y = torch.zeros(64, device="cuda")
+
+    def step(bs: int) -> None:  # BLOCK 16 in one case, 2 x the bucket in the other: no variant shared
+        block = 2 * bs if block_per_bucket else 16
+        _double[(triton.cdiv(bs, block),)](x, y, bs, BLOCK=block)
+
+    timings: dict = {}
+    graphs, _ = capture_buckets(buckets, step, timings=timings, warm_once=True)
+    assert sorted(graphs) == buckets
+    assert timings["eager_runs"] == (len(buckets) if block_per_bucket else 1)
+    for bs in buckets:
+        y.zero_()
+        graphs[bs].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y[:bs], x[:bs] * 2) and not y[bs:].any(), bs

@@ -68,6 +68,20 @@ def use_triton(x: torch.Tensor, requested: bool | None = None) -> bool:
     return requested
 
 
+class CaptureNeedsWarmup(RuntimeError):
+    """Raised, before any GPU work, by a launch that CUDA-graph capture cannot record yet: a lazily
+    made buffer, or a Triton kernel variant not loaded (its module load is not allowed while the
+    stream captures). A capture that meets it is dropped; the step then runs eagerly first
+    (runtime/graphs.py, capture_buckets)."""
+
+
+def refuse_in_capture(device: torch.device, what: str) -> None:
+    """Raise CaptureNeedsWarmup when this thread's current CUDA stream is capturing: `what` (a
+    buffer made on first use) must be made by an eager run first."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise CaptureNeedsWarmup(f"{what} must be made before CUDA-graph capture")
+
+
 PDL_REQUESTED: bool = os.environ.get(PDL_ENV) != "0"  # read once, at import
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mlac.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks
-from mlac.kernels._triton import pdl_launch, pdl_start
+from mlac.kernels._triton import pdl_launch, pdl_start, refuse_in_capture
 from mlac.kernels.fp8_quant import HAS_TRITON, Fp8Act, act_quant, cast_out, jit, round_e4m3, tl, triton
 from mlac.kernels.fp8_quant import use_triton as _use_triton
 
@@ -204,8 +204,7 @@ def split_k_locks(device: torch.device, n: int) -> torch.Tensor:
     """
     locks = _LOCKS.get(device)
     if locks is None or locks.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp8_gemm: split-K counters must be allocated before CUDA-graph capture")
+        refuse_in_capture(device, "fp8_gemm's split-K counters")
         if locks is not None:
             _OLD_LOCKS.append(locks)
         locks = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from mlac.errors import MlacError
-from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
+from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, refuse_in_capture, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_gemm import sm_count
 from mlac.kernels.fp8_quant import jit
@@ -123,8 +123,7 @@ def _arrival_counter(device: torch.device) -> torch.Tensor:
     Launches that share it run one after the other on one stream (one router per layer)."""
     counter = _COUNTERS.get(device)
     if counter is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("router_gemv: the arrival counter must be made before CUDA-graph capture")
+        refuse_in_capture(device, "router_gemv's arrival counter")
         counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
 

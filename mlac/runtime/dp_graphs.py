@@ -37,6 +37,7 @@ class DPDecodeGraphs(DecodeGraphs):
     ):
         super().__init__(model, cache, buckets, max_context, row_groups=False)  # its own _step, per-row
         self.dp = dp
+        self.warm_once = False  # every rank warms every bucket: their collectives line up
         device, n = model.device, dp.size
         self.all_ids = torch.zeros(n, self.max_bs, dtype=torch.int64, device=device)  # [N, max_bs]
         vocab = model.config.vocab_size

@@ -23,6 +23,11 @@ of the smallest of them that holds it exactly when some sequence runs more than 
 decode steps keep the per-row graphs (their kernels are tuned for one row per program).
 MLAC_MLA_ROW_GROUPS=0 captures no grouped graph.
 
+Only the largest bucket runs eagerly before its capture (`capture_buckets`, warm_once): it loads
+every kernel and makes every lazily made buffer; a later bucket runs eagerly too only when its
+capture meets a Triton kernel variant that is not loaded yet. MLAC_GRAPH_WARM_ONCE=0 (read once,
+at import) runs every bucket eagerly first, as multi-rank captures always do.
+
 Padding rows (T..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
 the cache's scratch block (kv_cache.py): they read and write nothing a real sequence owns.
 
@@ -34,17 +39,26 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
+import os
+import threading
 import time
+import warnings
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from mlac.errors import MlacError
+from mlac.kernels._triton import CaptureNeedsWarmup, triton
 from mlac.kernels.mla_decode import decode_group_rows, prefer_row_groups, row_groups_host
 from mlac.runtime.attention_forms import ROW_GROUPS
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.model import DeepseekModel
 from mlac.runtime.step import Step
+
+WARM_ONCE: bool = os.environ.get("MLAC_GRAPH_WARM_ONCE") != "0"  # read once, at import
+log = logging.getLogger("mlac.runtime")
 
 
 def pick_bucket(buckets: list[int], batch: int) -> int | None:
@@ -53,18 +67,49 @@ def pick_bucket(buckets: list[int], batch: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+@contextmanager
+def _refusing_new_kernels():
+    """While active, a Triton launch on this thread whose variant is not in memory yet raises
+    CaptureNeedsWarmup before Triton touches the GPU (its jit_cache_hook runs ahead of any compile
+    or load); other threads' launches go on as before. A no-op without the hook (triton < 3.4)."""
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if knobs is None or not hasattr(knobs, "jit_cache_hook"):
+        yield
+        return
+    before, thread = knobs.jit_cache_hook, threading.get_ident()
+
+    def hook(**kwargs):
+        if threading.get_ident() == thread:
+            raise CaptureNeedsWarmup(f"a Triton kernel variant not loaded yet: {kwargs.get('repr', '?')}")
+        return before(**kwargs) if before is not None else None
+
+    knobs.jit_cache_hook = hook
+    try:
+        yield
+    finally:
+        knobs.jit_cache_hook = before
+
+
 def capture_buckets(
     buckets: list[int],
     step: Callable[[int], None],
     pool=None,
     timings: dict[str, float] | None = None,
     label: str = "",
+    warm_once: bool = False,
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], object]:
     """({bucket: graph}, pool): `step(bs)` captured for every bucket, largest first, into one memory
     pool (`pool`: another capture's, to share it). Each bucket runs once eagerly first (on padding
-    rows), so that every kernel is compiled and every lazily made buffer exists before capture.
+    rows), so that every kernel is compiled and loaded and every lazily made buffer exists before
+    capture. `warm_once`: only the first (largest) bucket does; each later one is captured at once,
+    and runs eagerly first only when its capture meets what only an eager run can make: a Triton
+    kernel variant not loaded yet, or a buffer made on first use (CaptureNeedsWarmup; the capture
+    is then dropped and taken again). An eager run of V2-Lite costs ~40 ms, most of it the
+    Python of ~900 launches, and the later buckets rarely meet a new variant. Single-rank only: a
+    rank that falls back runs collectives that the others would not.
     `timings`: adds the seconds of those eager runs (to their end on the GPU) to label + "eager_s"
-    and of the captures (recording and instantiation) to label + "capture_s" (start-up's phases).
+    and of the captures (recording and instantiation, dropped ones included) to label +
+    "capture_s" (start-up's phases), and counts the eager runs in label + "eager_runs".
 
     Other threads may run CUDA work meanwhile, on their own streams (the weights' load, see
     runner.build_runner): the capture is thread-local ("thread_local" mode: their calls are not
@@ -76,25 +121,49 @@ def capture_buckets(
     graphs = {}
     stream = torch.cuda.Stream()  # captures run on a side stream, as torch.cuda.graph's do
     timings = {} if timings is None else timings
-    eager, captured = f"{label}eager_s", f"{label}capture_s"
-    for bs in reversed(buckets):
+    eager, captured, runs = f"{label}eager_s", f"{label}capture_s", f"{label}eager_runs"
+    timings.setdefault(runs, 0)
+
+    def run_eagerly(bs: int) -> None:
         t0 = time.perf_counter()
         step(bs)
         torch.cuda.current_stream().synchronize()
-        t1 = time.perf_counter()
+        timings[eager] = timings.get(eager, 0.0) + time.perf_counter() - t0
+        timings[runs] += 1
+
+    def capture(bs: int, refuse_new_kernels: bool) -> torch.cuda.CUDAGraph:
+        t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    with _refusing_new_kernels() if refuse_new_kernels else nullcontext():
+                        step(bs)
+                finally:
+                    with warnings.catch_warnings():
+                        if refuse_new_kernels:  # a dropped capture may have recorded nothing
+                            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                        graph.capture_end()
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
+            timings[captured] = timings.get(captured, 0.0) + time.perf_counter() - t0
+        return graph
+
+    for i, bs in enumerate(reversed(buckets)):
+        graph = None
+        if warm_once and i > 0:
             try:
-                step(bs)
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
+                graph = capture(bs, refuse_new_kernels=True)
+            except CaptureNeedsWarmup as e:
+                log.debug("CUDA graph of %s%d dropped (%s): running it eagerly first", label, bs, e)
+                graph = None  # dropped: part of a step was recorded
+        if graph is None:
+            run_eagerly(bs)
+            graph = capture(bs, refuse_new_kernels=False)
         pool = graph.pool()
         graphs[bs] = graph
-        timings[eager] = timings.get(eager, 0.0) + t1 - t0
-        timings[captured] = timings.get(captured, 0.0) + time.perf_counter() - t1
     torch.cuda.current_stream().synchronize()
     return graphs, pool
 
@@ -223,6 +292,8 @@ class DecodeGraphs:
         self.grouped_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # grouped_buckets, grouped form
         self.pool = None
         self.timings: dict[str, float] = {}  # capture's phases (capture_buckets), start-up's record
+        # capture_buckets: multi-rank captures warm every bucket
+        self.warm_once = WARM_ONCE and model.ctx.tp == 1
 
     @property
     def max_bs(self) -> int:
@@ -239,11 +310,14 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one pool (capture_buckets); then, where rows
         group, the grouped buckets again in the grouped form, into the same pool."""
-        self.graphs, self.pool = capture_buckets(self.buckets, self._step, self.pool, self.timings)
+        warm_once = self.warm_once
+        self.graphs, self.pool = capture_buckets(
+            self.buckets, self._step, self.pool, self.timings, "", warm_once
+        )
         if self.grouped_buckets:
             step = lambda bs: self._step(bs, grouped=True)  # noqa: E731
             self.grouped_graphs, self.pool = capture_buckets(
-                self.grouped_buckets, step, self.pool, self.timings, label="grouped_"
+                self.grouped_buckets, step, self.pool, self.timings, "grouped_", warm_once
             )
 
     def grouped(self, step: Step) -> bool:
