@@ -24,6 +24,12 @@ Decode rows of one sequence (a flattened extend, a speculative verify: graphs.py
 grouped (`row_groups`, kernels/mla_decode.py): one program per group loads each KV tile once for
 all its rows. The CUDA graphs choose the form per step (mla_decode.prefer_row_groups);
 MLAC_MLA_ROW_GROUPS=0 (read once, at import) keeps every step per-row (an end-to-end A/B).
+
+Sequences of an extend step that share cached blocks (prefix-cache hits on one system prompt,
+runtime/shared_prefix.py) attend to them once, together (`extend_shared`, cascade attention):
+each sequence over its own tokens past the shared prefix, all their new tokens over the prefix in
+the MHA form (its latents decompressed once, however many sequences share it), the two merged by
+log-sum-exp. `prefer_shared` is the rule; MLAC_SHARED_PREFIX=0 (read once, at import) turns it off.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from mlac.kernels.extend_attention import extend_attention
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.head_bmm import head_bmm
 from mlac.kernels.mla_decode import decode_num_splits, mla_decode
+from mlac.runtime.shared_prefix import SharedPrefix
 
 FUSED_MLA_OUT: bool = os.environ.get("MLAC_FUSED_MLA_OUT") != "0"  # read once, at import
 ROW_GROUPS: bool = os.environ.get("MLAC_MLA_ROW_GROUPS") != "0"  # read once, at import
+SHARED_PREFIX: bool = os.environ.get("MLAC_SHARED_PREFIX") != "0"  # read once, at import
 # head_bmm's merge reloads every used split's partials for each of its K steps. On an H200
 # (benchmarks/bench_mla_out.py, V2-Lite, benchmarks/results/fused_ab_h200_run.txt) it beat the merge
 # launch at 8 splits (batch 32, 256 tokens: 24.4 against 27.0 us) and lost at 32-64 splits (batch 1,
@@ -76,15 +84,20 @@ def extend_mha(
     cu_seqlens_kv: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
-) -> torch.Tensor:  # [T, H, v]
-    """MHA form: K and V decompressed per head from every cached latent."""
+    causal: bool = True,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H, v] (and lse [T, H] float32)
+    """MHA form: K and V decompressed per head from every cached latent. `causal`, `return_lse`:
+    extend_attention's."""
     c = w_kc.shape[-1]
     latent, k_rope = kv.split([c, kv.shape[-1] - c], dim=-1)
     k_nope = torch.einsum("sc,hdc->shd", latent, w_kc)  # [S, H, nope]
     v = torch.einsum("sc,hcv->shv", latent, w_vc).contiguous()  # [S, H, v]
     k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, w_kc.shape[0], -1)], dim=-1)  # [S, H, nope + R]
     q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
-    return extend_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, max_seqlen_q=max_seqlen_q)
+    return extend_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, max_seqlen_q=max_seqlen_q, return_lse=return_lse
+    )
 
 
 def extend_absorbed(
@@ -97,15 +110,72 @@ def extend_absorbed(
     cu_seqlens_kv: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
-) -> torch.Tensor:  # [T, H, v]
-    """Absorbed form: MQA over the latents (one shared K = latent ‖ rope, V = latent)."""
+    causal: bool = True,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H, v] (and lse [T, H] float32)
+    """Absorbed form: MQA over the latents (one shared K = latent ‖ rope, V = latent). `causal`,
+    `return_lse`: extend_attention's (the lse of o_lat is o's: w_vc is applied after the softmax)."""
     c = w_kc.shape[-1]
     q_lat = head_bmm(q_nope, w_kc)  # [T, H, C]
     q = torch.cat([q_lat, q_rope.to(q_lat.dtype)], dim=-1)  # [T, H, C + R]
     k = kv[:, None, :]  # [S, 1, C + R]
     v = kv[:, None, :c]  # [S, 1, C], a view: last dim contiguous
-    o_lat = extend_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, max_seqlen_q=max_seqlen_q)
-    return head_bmm(o_lat, w_vc)  # [T, H, v]
+    res = extend_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, max_seqlen_q=max_seqlen_q, return_lse=return_lse
+    )
+    o_lat, lse = res if return_lse else (res, None)
+    o = head_bmm(o_lat, w_vc)  # [T, H, v]
+    return (o, lse) if return_lse else o
+
+
+def prefer_shared(num_rows: int, w_kc: torch.Tensor, w_vc: torch.Tensor, rope: int) -> bool:
+    """True when Q = `num_rows` new tokens attend more cheaply to a shared prefix together, in MHA
+    form (its P latents decompressed once: 2·P·H·C·(nope + v) FLOPs, then 2·(nope + R + v) per
+    pair), than each sequence in the absorbed form (2·(C + R + C) per pair): Q·(extra per pair) >
+    C·(nope + v), Q > 171 at DeepSeek's dims. (Where the sequences themselves would take the MHA
+    form, each one decompresses the prefix: sharing pays at any Q.)"""
+    nope, c = w_kc.shape[-2:]
+    v = w_vc.shape[-1]
+    extra = (c + rope + c) - (nope + rope + v)
+    return num_rows * extra > c * (nope + v)
+
+
+def merge_partials(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:  # [T, H, v] in o1's dtype
+    """Softmax attention over two disjoint key sets, from each one's normalized o [T, H, v] and
+    natural-log lse [T, H]: their log-sum-exp weighted mean, in float32 (both lse finite)."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(o1.dtype)
+
+
+def extend_shared(
+    q_nope: torch.Tensor,  # [T, H, nope]
+    q_rope: torch.Tensor,  # [T, H, R] roped
+    prefix_kv: torch.Tensor,  # [P, C + R] the shared prefix's latents
+    rest_kv: torch.Tensor,  # [S', C + R] every sequence's tokens past the prefix, packed
+    w_kc: torch.Tensor,  # [H, nope, C]
+    w_vc: torch.Tensor,  # [H, C, v]
+    shared: SharedPrefix,
+    q_lens: Sequence[int],
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [T, H, v]
+    """Extend attention with a shared cached prefix (runtime/shared_prefix.py): every sequence over
+    its tokens past the prefix (causal, in the cheaper form for those lengths), the sharers' new
+    tokens over the prefix together (not causal, MHA form), merged by log-sum-exp."""
+    rest = extend_absorbed if prefer_absorbed(q_lens, shared.rest_ctx_lens) else extend_mha
+    o, lse = rest(
+        q_nope, q_rope, rest_kv, w_kc, w_vc, cu_seqlens_q, shared.cu_seqlens_kv, max(q_lens), scale,
+        return_lse=True,
+    )  # fmt: skip
+    rows = shared.rows
+    o_p, lse_p = extend_mha(
+        q_nope[rows], q_rope[rows], prefix_kv, w_kc, w_vc, shared.cu_rows, shared.cu_prefix, shared.num_rows,
+        scale, causal=False, return_lse=True,
+    )  # fmt: skip
+    return o.index_copy_(0, rows, merge_partials(o[rows], lse[rows], o_p, lse_p))
 
 
 def decode_absorbed(
@@ -143,8 +213,12 @@ __all__ = [
     "FUSED_MERGE_MAX_SPLITS",
     "FUSED_MLA_OUT",
     "ROW_GROUPS",
+    "SHARED_PREFIX",
     "decode_absorbed",
     "extend_absorbed",
     "extend_mha",
+    "extend_shared",
+    "merge_partials",
     "prefer_absorbed",
+    "prefer_shared",
 ]

@@ -22,7 +22,9 @@ import torch
 
 from mlac.config import ModelConfig
 from mlac.errors import MlacError
+from mlac.runtime import shared_prefix
 from mlac.runtime.prefix_cache import PrefixCache
+from mlac.runtime.shared_prefix import SharedPrefix
 
 
 class BlockAllocator:
@@ -247,6 +249,7 @@ class ForwardBatch:
     cu_seqlens_kv: torch.Tensor  # [B + 1] int32: packed offsets of all tokens (kv_slots)
     kv_slots: torch.Tensor  # [sum(seq_lens)] int64: every token's slot, per sequence (extend only)
     row_groups: torch.Tensor | None = None  # [2, B] int32: decode rows grouped per sequence (mla_decode)
+    shared: SharedPrefix | None = None  # extend: cached blocks several sequences share (shared_prefix.py)
 
     @property
     def num_seqs(self) -> int:
@@ -311,4 +314,7 @@ class ForwardBatch:
             cu_seqlens_q=tensor(list(itertools.accumulate(q_lens, initial=0)), torch.int32),
             cu_seqlens_kv=tensor(list(itertools.accumulate(seq_lens, initial=0)), torch.int32),
             kv_slots=cat(every),
+            shared=None
+            if is_decode
+            else shared_prefix.build(ctx_lens, q_lens, block_tables, block_size, device),
         )

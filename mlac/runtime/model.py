@@ -33,7 +33,15 @@ from mlac.kernels.mla_prep import mla_prep
 from mlac.kernels.moe import SharedExperts, fused_moe
 from mlac.kernels.moe_routing import RoutingSpec
 from mlac.kernels.router_gemv import gate_and_route
-from mlac.runtime.attention_forms import decode_absorbed, extend_absorbed, extend_mha, prefer_absorbed
+from mlac.runtime.attention_forms import (
+    SHARED_PREFIX,
+    decode_absorbed,
+    extend_absorbed,
+    extend_mha,
+    extend_shared,
+    prefer_absorbed,
+    prefer_shared,
+)
 from mlac.runtime.dp_attention import TokenExchange
 from mlac.runtime.kv_cache import ForwardBatch, PagedKVCache
 from mlac.runtime.layers import Linear, Reads, RMSNorm, RotaryEmbedding, Weights, reads_of, take_weight
@@ -135,7 +143,15 @@ class MLAttention(nn.Module):
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
     ) -> torch.Tensor:
         """Prefill, or extend after a cached prefix, causal -> [T, H_local, v]: over every sequence's
-        cached latents (prefix and new tokens), in the cheaper exact form (attention_forms.py)."""
+        cached latents (prefix and new tokens), in the cheaper exact form (attention_forms.py); a
+        prefix that several sequences share is attended to once for all of them (extend_shared)."""
+        shared = batch.shared if SHARED_PREFIX else None
+        if shared is not None and prefer_shared(shared.num_rows, self.w_kc, self.w_vc, self.rope):
+            prefix, rest = cache.read(self.layer, shared.slots), cache.read(self.layer, shared.kv_slots)
+            return extend_shared(
+                q_nope, q_rope, prefix, rest, self.w_kc, self.w_vc, shared, batch.q_lens, batch.cu_seqlens_q,
+                self.scale,
+            )  # fmt: skip
         kv = cache.read(self.layer, batch.kv_slots)  # [S, C + R], all sequences packed
         form = extend_absorbed if prefer_absorbed(batch.q_lens, batch.ctx_lens) else extend_mha
         return form(

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One H200 (device tool, kind nvidia-h200): the shared-prefix (cascade) extend attention on the V2-Lite
+# real-shape synthetic, bf16, prepared. GPU_TESTS (if set) while it is made and compiled; `mlac prepare`; then,
+# with the cascade (default) and without (MLAC_SHARED_PREFIX=0): profile_prefill.py with ${BATCHES:-4,16,32}
+# cached suffixes in one step, and prefix_workload.py at concurrency ${LEVELS:-1,4,16,64}.
+# $OUT: gpu_tests.txt, profile_prefill_{on,off}.json, prefix_workload_{on,off}.json, log.txt.
+set -uo pipefail
+. benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
+( python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 \
+  && python3 -m mlac.cli compile $C $W/bf16 --skip-accuracy-check >$W/c1.log 2>&1 ) &
+BUILD=$!
+if [ -n "${GPU_TESTS:-}" ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS >"$OUT/gpu_tests.txt" 2>&1
+  stamp "gpu tests rc=$?"; tail -n 4 "$OUT/gpu_tests.txt"
+fi
+wait $BUILD; stamp "synth + compile rc=$?"; tail -n 1 $W/c1.log; rm -rf $C
+timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda --max-running-requests 256 2>&1 | tail -1; stamp prepare
+for mode in on off; do
+  sp=1; [ $mode = off ] && sp=0
+  MLAC_SHARED_PREFIX=$sp timeout -k 10 150 python3 benchmarks/profile_prefill.py $W/bf16 \
+    --json "$OUT/profile_prefill_$mode.json" --batches ${BATCHES:-4,16,32} | grep -E "^(cold|cached)"
+  stamp "profile prefill $mode rc=$?"
+done
+for mode in on off; do
+  sp=1; [ $mode = off ] && sp=0
+  MLAC_SHARED_PREFIX=$sp timeout -k 10 150 python3 benchmarks/prefix_workload.py $W/bf16 --device cuda \
+    --serve-args "--no-verify --require-prepared --kv-cache-bytes 17179869184" --concurrency ${LEVELS:-1,4,16,64} \
+    --json "$OUT/prefix_workload_$mode.json" | grep -v "^+" | tail -n 30
+  stamp "workload $mode rc=$?"
+done

@@ -1,0 +1,117 @@
+"""The cached prefix that several sequences of an extend step share: found once per step.
+
+After prefix-cache hits, the sequences of one prefill step often begin with the same cached
+blocks: a system prompt that every request repeats. The plain extend attends each sequence to
+its own copy of those tokens, so a step of 32 requests after a 2,000-token system prompt gathers
+and scores the prompt 32 times. With the shared prefix found, attention runs in two parts
+(attention_forms.extend_shared, "cascade" attention):
+1. every sequence attends, causally, to its own tokens past the shared prefix (all of its tokens
+   when it does not share it), keeping each row's log-sum-exp;
+2. the new tokens of all the sequences that share the prefix attend to it together, without a
+   mask (the prefix comes before every one of them);
+3. the two partial results merge by their log-sum-exps: the same softmax, up to rounding.
+
+The prefix is whole blocks that every sharer has cached before this step (the radix cache shares
+blocks, and a sequence's new tokens may fill the rest of its last cached block). `find` takes the
+sharers by their first block and keeps the largest such group, by new tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Step metadata of the cascade (module docstring); tensors on the step's device.
+
+    length: P, the shared tokens (positions 0..P-1 of every sharer).
+    sharers: the sharing sequences' indices in the step (at least two).
+    num_rows: Q, the sharers' new tokens.
+    rows: [Q] int64, their rows in the step's packed new tokens.
+    slots: [P] int64, the shared tokens' cache slots.
+    rest_ctx_lens: [B] each sequence's cached tokens past the prefix (ctx_len - P for a sharer).
+    cu_seqlens_kv: [B + 1] int32, packed offsets of each sequence's tokens past the prefix.
+    kv_slots: their slots, packed.
+    cu_rows, cu_prefix: [0, Q] and [0, P] int32, the rows and the prefix as one sequence.
+    """
+
+    length: int
+    sharers: tuple[int, ...]
+    num_rows: int
+    rows: torch.Tensor
+    slots: torch.Tensor
+    rest_ctx_lens: tuple[int, ...]
+    cu_seqlens_kv: torch.Tensor
+    kv_slots: torch.Tensor
+    cu_rows: torch.Tensor
+    cu_prefix: torch.Tensor
+
+
+def find(
+    ctx_lens: Sequence[int], q_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+) -> tuple[tuple[int, ...], int] | None:
+    """(sharers, blocks): the largest group (by new tokens) of two or more sequences whose cached
+    tokens start with the same block, and the leading blocks that all of them have cached and
+    share. None when no two sequences share a cached first block."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, (ctx, table) in enumerate(zip(ctx_lens, block_tables, strict=True)):
+        if ctx >= block_size:  # at least one whole cached block
+            groups[table[0]].append(i)
+    best = max(
+        (g for g in groups.values() if len(g) > 1), key=lambda g: sum(q_lens[i] for i in g), default=None
+    )
+    if best is None:
+        return None
+    cached = min(ctx_lens[i] // block_size for i in best)
+    first = block_tables[best[0]]
+    blocks = next((b for b in range(1, cached) if any(block_tables[i][b] != first[b] for i in best)), cached)
+    return tuple(best), blocks
+
+
+def build(
+    ctx_lens: Sequence[int],
+    q_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str,
+) -> SharedPrefix | None:
+    """The step's SharedPrefix, or None when no two of its sequences share a cached block."""
+    found = find(ctx_lens, q_lens, block_tables, block_size)
+    if found is None:
+        return None
+    sharers, blocks = found
+    length = blocks * block_size
+    share = set(sharers)
+    starts = list(itertools.accumulate(q_lens, initial=0))
+    rows = [r for i in sharers for r in range(starts[i], starts[i] + q_lens[i])]
+    rest_ctx = tuple(c - length if i in share else c for i, c in enumerate(ctx_lens))
+    kv_lens = [c + q for c, q in zip(rest_ctx, q_lens, strict=True)]
+
+    def slots(table: Sequence[int], start: int, end: int) -> torch.Tensor:  # positions [start, end)
+        p = torch.arange(start, end)
+        return torch.tensor(table, dtype=torch.int64)[p // block_size] * block_size + p % block_size
+
+    rest = [
+        slots(t, length if i in share else 0, c + q)
+        for i, (t, c, q) in enumerate(zip(block_tables, ctx_lens, q_lens, strict=True))
+    ]
+    return SharedPrefix(
+        length=length,
+        sharers=sharers,
+        num_rows=len(rows),
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        slots=slots(block_tables[sharers[0]], 0, length).to(device),
+        rest_ctx_lens=rest_ctx,
+        cu_seqlens_kv=torch.tensor(
+            list(itertools.accumulate(kv_lens, initial=0)), dtype=torch.int32, device=device
+        ),
+        kv_slots=torch.cat(rest).to(device),
+        cu_rows=torch.tensor([0, len(rows)], dtype=torch.int32, device=device),
+        cu_prefix=torch.tensor([0, length], dtype=torch.int32, device=device),
+    )

@@ -1,0 +1,184 @@
+"""A cached prefix that several sequences of an extend step share (runtime/shared_prefix.py), and
+the cascade attention over it (attention_forms.extend_shared): the same attention as each sequence
+over all of its tokens, and the same greedy tokens end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mlac.runtime.model as model_mod
+from mlac.runtime import shared_prefix
+from mlac.runtime.attention_forms import (
+    extend_absorbed,
+    extend_mha,
+    extend_shared,
+    merge_partials,
+    prefer_shared,
+)
+from mlac.runtime.engine import Engine
+from mlac.runtime.kv_cache import ForwardBatch
+from mlac.runtime.sampling import SamplingParams
+from mlac.runtime.scheduler import SchedulerConfig
+
+BS = 4
+
+
+def test_find_takes_the_largest_group_and_whole_cached_blocks():
+    tables = [[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4], [5, 6], [5, 6, 7]]
+    ctx = [14, 13, 9, 8, 8]
+    # group 1: three sequences, 5 new tokens in all; group 5: two, 8 new tokens
+    assert shared_prefix.find(ctx, [1, 2, 2, 4, 4], tables, BS) == ((3, 4), 2)
+    # group 1 wins on new tokens; sequence 2 differs at its third block, so two blocks are shared
+    assert shared_prefix.find(ctx, [8, 8, 8, 1, 1], tables, BS) == ((0, 1, 2), 2)
+    # without sequence 2: three blocks (13 cached tokens hold 3 whole blocks, not 4)
+    assert shared_prefix.find(ctx[:2], [1, 1], tables[:2], BS) == ((0, 1), 3)
+    # a first block that is not yet cached for one of them (3 tokens) is not shared
+    assert shared_prefix.find([3, 14], [5, 5], [[1, 2], [1, 2, 3, 9]], BS) is None
+    assert shared_prefix.find([14], [3], [[1, 2, 3, 9]], BS) is None  # one sequence
+
+
+def test_build_splits_each_sequence_at_the_prefix():
+    tables = [[1, 2, 3, 9, 10], [1, 2, 3, 8], [7, 6]]
+    ctx, q = [14, 12, 3], [3, 2, 4]
+    full = ForwardBatch.build(ctx, q, tables, BS)
+    sp = full.shared
+    assert sp is not None and sp.sharers == (0, 1) and sp.length == 12 and sp.num_rows == 5
+    assert sp.rows.tolist() == [0, 1, 2, 3, 4]
+    assert sp.slots.tolist() == full.kv_slots[:12].tolist()
+    assert sp.rest_ctx_lens == (2, 0, 3)
+    starts = full.cu_seqlens_kv.tolist()
+    want = torch.cat([full.kv_slots[starts[0] + 12 : starts[1]], full.kv_slots[starts[1] + 12 : starts[2]],
+                      full.kv_slots[starts[2] : starts[3]]])  # fmt: skip
+    assert sp.kv_slots.tolist() == want.tolist()
+    assert sp.cu_seqlens_kv.tolist() == [0, 5, 7, 14]
+    assert sp.cu_rows.tolist() == [0, 5] and sp.cu_prefix.tolist() == [0, 12]
+    assert ForwardBatch.build([14, 12], [1, 1], tables[:2], BS).shared is None  # decode: never
+
+
+def test_merge_partials_is_softmax_over_the_union():
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(6, 3, 20, generator=g)  # [T, H, keys]
+    v = torch.randn(20, 5, generator=g)
+    part = lambda a, b: (torch.softmax(s[..., a:b], -1) @ v[a:b], torch.logsumexp(s[..., a:b], -1))  # noqa: E731
+    merged = merge_partials(*part(0, 7), *part(7, 20))
+    torch.testing.assert_close(merged, torch.softmax(s, -1) @ v, rtol=1e-6, atol=1e-6)
+
+
+def test_rule_at_deepseek_dims():
+    w_kc, w_vc = torch.empty(16, 128, 512), torch.empty(16, 512, 128)
+    assert not prefer_shared(170, w_kc, w_vc, 64) and prefer_shared(171, w_kc, w_vc, 64)
+
+
+@pytest.mark.parametrize("rest_form", ["absorbed", "mha"])
+def test_cascade_equals_each_sequence_over_all_of_its_tokens(rest_form):
+    """Three sequences, two of them sharing 12 cached tokens, the third not; the rest of each runs
+    in either form. Against the absorbed form over every sequence's own copy of all its tokens."""
+    g = torch.Generator().manual_seed(0)
+    h, nope, rope, c, v = 3, 16, 8, 32, 12
+    tables = [[1, 2, 3, 9, 10], [1, 2, 3, 8, 11], [7, 6]]
+    ctx = [14, 12, 3]
+    q_lens = [3, 5, 4] if rest_form == "absorbed" else [40, 60, 4]
+    tables = [
+        t + list(range(20 + 30 * i, 20 + 30 * i + 20)) for i, t in enumerate(tables)
+    ]  # room for the new tokens
+    batch = ForwardBatch.build(ctx, q_lens, tables, BS)
+    pool = torch.randn(200 * BS, c + rope, generator=g)  # the cache, by slot
+    t = sum(q_lens)
+    q_nope, q_rope = torch.randn(t, h, nope + rope, generator=g).split([nope, rope], dim=-1)
+    w_kc, w_vc = torch.randn(h, nope, c, generator=g) / c**0.5, torch.randn(h, c, v, generator=g) / c**0.5
+    want = extend_absorbed(
+        q_nope,
+        q_rope,
+        pool[batch.kv_slots],
+        w_kc,
+        w_vc,
+        batch.cu_seqlens_q,
+        batch.cu_seqlens_kv,
+        max(q_lens),
+        0.2,
+    )
+    sp = batch.shared
+    assert sp is not None and sp.sharers == (0, 1) and sp.length == 12
+    got = extend_shared(
+        q_nope, q_rope, pool[sp.slots], pool[sp.kv_slots], w_kc, w_vc, sp, q_lens, batch.cu_seqlens_q, 0.2
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    mha = extend_mha(
+        q_nope,
+        q_rope,
+        pool[batch.kv_slots],
+        w_kc,
+        w_vc,
+        batch.cu_seqlens_q,
+        batch.cu_seqlens_kv,
+        max(q_lens),
+        0.2,
+    )
+    torch.testing.assert_close(got, mha, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny-v3", "tiny-v2-lite"])
+def test_same_tokens_through_the_engine(artifact, monkeypatch, preset):
+    """A system prompt cached, then four requests after it in one step: greedy tokens and top
+    logprobs with the cascade (forced, whatever the rule says) are those of the plain extend."""
+    config = SchedulerConfig(max_running_requests=8, chunked_prefill_size=64)
+    kw = dict(dtype=torch.float32, verify=False, block_size=BS, scheduler_config=config)
+    engine = Engine.from_artifact(artifact(preset), **kw)
+    system = list(range(40, 62))  # 5 whole blocks and half of one
+    prompts = [system + [7 + i] * (3 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def generate(cascade: bool):
+        engine.cache.prefix.clear()
+        monkeypatch.setattr(model_mod, "SHARED_PREFIX", cascade)
+        monkeypatch.setattr(model_mod, "prefer_shared", lambda *a: True)
+        engine.generate([system + [3]], SamplingParams(max_tokens=1))  # caches it
+        return engine.generate(prompts, params)
+
+    calls = []
+    real = model_mod.extend_shared
+    monkeypatch.setattr(model_mod, "extend_shared", lambda *a: (calls.append(a[6]), real(*a))[1])
+    plain = generate(False)
+    assert not calls
+    cascade = generate(True)
+    assert calls and calls[0].sharers == (0, 1, 2, 3) and calls[0].length == 20
+    assert [c.token_ids for c in cascade] == [c.token_ids for c in plain]
+    for a, b in zip(cascade, plain, strict=True):
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert all(abs(p - r) < 1e-4 for (_, p), (_, r) in zip(x.top, y.top, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cascade_on_the_gpu():
+    """Triton kernels, bf16, DeepSeek's head dims: 8 sequences of 64 new tokens after a shared
+    1,024-token prefix (and 16 more cached tokens of their own), against the plain extend."""
+    g = torch.Generator().manual_seed(0)
+    h, nope, rope, c, v = 16, 128, 64, 512, 128
+    n, own = 8, 64
+    prefix = list(range(1, 65))  # 64 blocks of 16
+    tables = [
+        prefix + [100 + 2 * i, 101 + 2 * i, 200 + 8 * i, 201 + 8 * i, 202 + 8 * i, 203 + 8 * i]
+        for i in range(n)
+    ]
+    ctx, q_lens = [1024 + 16] * n, [own] * n
+    batch = ForwardBatch.build(ctx, q_lens, tables, 16, "cuda")
+    sp = batch.shared
+    assert sp is not None and sp.length == 1024 and sp.num_rows == n * own
+    pool = (torch.randn(400 * 16, c + rope, generator=g) / 4).to("cuda", torch.bfloat16)
+    t = n * own
+    q_nope, q_rope = (
+        (torch.randn(t, h, nope + rope, generator=g) / 4).to("cuda", torch.bfloat16).split([nope, rope], -1)
+    )
+    w_kc = (torch.randn(h, nope, c, generator=g) / c**0.5).to("cuda", torch.bfloat16)
+    w_vc = (torch.randn(h, c, v, generator=g) / c**0.5).to("cuda", torch.bfloat16)
+    scale = (nope + rope) ** -0.5
+    want = extend_absorbed(
+        q_nope, q_rope, pool[batch.kv_slots], w_kc, w_vc, batch.cu_seqlens_q, batch.cu_seqlens_kv, own, scale
+    )
+    got = extend_shared(
+        q_nope, q_rope, pool[sp.slots], pool[sp.kv_slots], w_kc, w_vc, sp, q_lens, batch.cu_seqlens_q, scale
+    )
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
