@@ -4,16 +4,17 @@ over all of its tokens, and the same greedy tokens end to end."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import mlac.runtime.model as model_mod
-from mlac.runtime import shared_prefix
+from mlac.runtime import attention_forms, shared_prefix
 from mlac.runtime.attention_forms import (
     extend_absorbed,
     extend_mha,
     extend_shared,
-    merge_partials,
     prefer_shared,
 )
 from mlac.runtime.engine import Engine
@@ -44,7 +45,7 @@ def test_build_splits_each_sequence_at_the_prefix():
     full = ForwardBatch.build(ctx, q, tables, BS)
     sp = full.shared
     assert sp is not None and sp.sharers == (0, 1) and sp.length == 12 and sp.num_rows == 5
-    assert sp.rows.tolist() == [0, 1, 2, 3, 4]
+    assert sp.rows.tolist() == [0, 1, 2, 3, 4]  # not every sequence shares it
     assert sp.slots.tolist() == full.kv_slots[:12].tolist()
     assert sp.rest_ctx_lens == (2, 0, 3)
     starts = full.cu_seqlens_kv.tolist()
@@ -54,15 +55,6 @@ def test_build_splits_each_sequence_at_the_prefix():
     assert sp.cu_seqlens_kv.tolist() == [0, 5, 7, 14]
     assert sp.cu_rows.tolist() == [0, 5] and sp.cu_prefix.tolist() == [0, 12]
     assert ForwardBatch.build([14, 12], [1, 1], tables[:2], BS).shared is None  # decode: never
-
-
-def test_merge_partials_is_softmax_over_the_union():
-    g = torch.Generator().manual_seed(1)
-    s = torch.randn(6, 3, 20, generator=g)  # [T, H, keys]
-    v = torch.randn(20, 5, generator=g)
-    part = lambda a, b: (torch.softmax(s[..., a:b], -1) @ v[a:b], torch.logsumexp(s[..., a:b], -1))  # noqa: E731
-    merged = merge_partials(*part(0, 7), *part(7, 20))
-    torch.testing.assert_close(merged, torch.softmax(s, -1) @ v, rtol=1e-6, atol=1e-6)
 
 
 def test_rule_at_deepseek_dims():
@@ -182,3 +174,26 @@ def test_cascade_on_the_gpu():
         q_nope, q_rope, pool[sp.slots], pool[sp.kv_slots], w_kc, w_vc, sp, q_lens, batch.cu_seqlens_q, scale
     )
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_warmup_runs_the_cascade_in_both_rest_forms(artifact, monkeypatch):
+    """Engine warm-up (prepare's too) meets the cascade's kernels: the prefix part, and the rest of
+    each sequence in the absorbed form (short tails) and in the MHA form (long ones)."""
+    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
+    forms = []
+    real = attention_forms.extend_shared
+
+    def spy(*a):
+        sp, q_lens = a[6], a[7]
+        forms.append((len(sp.sharers), attention_forms.prefer_absorbed(q_lens, sp.rest_ctx_lens)))
+        return real(*a)
+
+    monkeypatch.setattr(model_mod, "extend_shared", spy)
+    ran = engine._warm_shared_prefix()
+    assert len(ran) == 2
+    assert {absorbed for _, absorbed in forms} == {True, False}
+    assert all(n >= 2 for n, _ in forms)
+    monkeypatch.setattr(
+        engine, "scheduler_config", dataclasses.replace(engine.scheduler_config, prefix_cache=False)
+    )
+    assert engine._warm_shared_prefix() == []

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from mlac.fp8 import BLOCK
+from mlac.kernels.attn_merge import merge_attention
 from mlac.kernels.extend_attention import extend_attention
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.head_bmm import head_bmm
@@ -91,8 +92,10 @@ def extend_mha(
     extend_attention's."""
     c = w_kc.shape[-1]
     latent, k_rope = kv.split([c, kv.shape[-1] - c], dim=-1)
-    k_nope = torch.einsum("sc,hdc->shd", latent, w_kc)  # [S, H, nope]
-    v = torch.einsum("sc,hcv->shv", latent, w_vc).contiguous()  # [S, H, v]
+    k_nope = torch.matmul(latent, w_kc.transpose(1, 2)).transpose(
+        0, 1
+    )  # [S, H, nope], a view of [H, S, nope]
+    v = torch.matmul(latent, w_vc).transpose(0, 1)  # [S, H, v], a view of [H, S, v]: last dim contiguous
     k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, w_kc.shape[0], -1)], dim=-1)  # [S, H, nope + R]
     q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
     return extend_attention(
@@ -140,16 +143,6 @@ def prefer_shared(num_rows: int, w_kc: torch.Tensor, w_vc: torch.Tensor, rope: i
     return num_rows * extra > c * (nope + v)
 
 
-def merge_partials(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-) -> torch.Tensor:  # [T, H, v] in o1's dtype
-    """Softmax attention over two disjoint key sets, from each one's normalized o [T, H, v] and
-    natural-log lse [T, H]: their log-sum-exp weighted mean, in float32 (both lse finite)."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]
-    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(o1.dtype)
-
-
 def extend_shared(
     q_nope: torch.Tensor,  # [T, H, nope]
     q_rope: torch.Tensor,  # [T, H, R] roped
@@ -170,12 +163,13 @@ def extend_shared(
         q_nope, q_rope, rest_kv, w_kc, w_vc, cu_seqlens_q, shared.cu_seqlens_kv, max(q_lens), scale,
         return_lse=True,
     )  # fmt: skip
-    rows = shared.rows
+    rows = shared.rows  # None: every row
+    qn, qr = (q_nope, q_rope) if rows is None else (q_nope[rows], q_rope[rows])
     o_p, lse_p = extend_mha(
-        q_nope[rows], q_rope[rows], prefix_kv, w_kc, w_vc, shared.cu_rows, shared.cu_prefix, shared.num_rows,
-        scale, causal=False, return_lse=True,
+        qn, qr, prefix_kv, w_kc, w_vc, shared.cu_rows, shared.cu_prefix, shared.num_rows, scale,
+        causal=False, return_lse=True,
     )  # fmt: skip
-    return o.index_copy_(0, rows, merge_partials(o[rows], lse[rows], o_p, lse_p))
+    return merge_attention(o, lse, o_p, lse_p, rows)
 
 
 def decode_absorbed(
@@ -218,7 +212,6 @@ __all__ = [
     "extend_absorbed",
     "extend_mha",
     "extend_shared",
-    "merge_partials",
     "prefer_absorbed",
     "prefer_shared",
 ]

@@ -28,6 +28,7 @@ from mlac.fp8 import FP8
 from mlac.kernels.fp8_gemm import sm_count
 from mlac.kernels.gemv import DENSE_DTYPES
 from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
+from mlac.runtime.attention_forms import ABSORBED_MAX_Q_LEN, SHARED_PREFIX, prefer_shared
 from mlac.runtime.constrain import Grammars
 from mlac.runtime.kernel_cache import CacheMode, use_kernel_cache
 from mlac.runtime.layers import Linear, Weights
@@ -236,6 +237,7 @@ class Engine:
         token counts that meet every kernel variant (tile config, K split, ...) the GEMMs, the grouped
         MoE and the router pick for steps of 1 to the chunk size tokens (step_variants.py: a burst of
         cached requests, a prefill's tail, run eager steps of any size in between).
+        With the prefix cache, last, the shared-prefix extend (`_warm_shared_prefix`).
         Shapes that do not fit the KV cache or the context are left out."""
         if self.device.type != "cuda" and not force:
             return []
@@ -255,6 +257,31 @@ class Engine:
             twice = n_seq == 1 and want in single  # the variants' lengths once: their kernels are met
             if self.scheduler_config.prefix_cache and twice and length > alloc.block_size:
                 self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # an extend after a cached prefix
+            ran.append((n_seq, length))
+        return ran + self._warm_shared_prefix()
+
+    def _warm_shared_prefix(self) -> list[tuple[int, int]]:
+        """The shared-prefix extend's kernels (attention_forms.extend_shared): a two-block prompt
+        cached, then sequences after it in one step, each with a tail of its own: short tails (the
+        rest of each sequence in the absorbed form) and long ones (the MHA form), enough rows in
+        all that prefer_shared takes the cascade. None without the prefix cache or the cascade."""
+        limits, alloc, vocab = self.scheduler_config, self.cache.allocator, self.config.vocab_size
+        if not (limits.prefix_cache and SHARED_PREFIX):
+            return []
+        attn = self.runner.model.layers[0].attn
+        need = next(q for q in itertools.count(1) if prefer_shared(q, attn.w_kc, attn.w_vc, attn.rope))
+        prefix = [5 + (j * 11) % (vocab - 5) for j in range(2 * alloc.block_size)]
+        ran = []
+        for k, tail in enumerate((ABSORBED_MAX_Q_LEN, ABSORBED_MAX_Q_LEN + 36)):
+            n_seq = max(2, -(-need // tail))
+            if n_seq > limits.max_running_requests or n_seq * tail > limits.chunked_prefill_size:
+                continue
+            length = len(prefix) + tail
+            if length + 2 > self.max_context or (n_seq + 1) * alloc.blocks_for(length + 2) > alloc.num_free:
+                continue
+            self.generate([prefix + [4]], SamplingParams(max_tokens=1))  # caches the prefix's blocks
+            tails = [[3 + (i * 17 + j * 5 + k) % (vocab - 3) for j in range(tail)] for i in range(n_seq)]
+            self.generate([prefix + t for t in tails], SamplingParams(max_tokens=2, ignore_eos=True))
             ran.append((n_seq, length))
         return ran
 

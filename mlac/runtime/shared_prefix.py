@@ -33,7 +33,8 @@ class SharedPrefix:
     length: P, the shared tokens (positions 0..P-1 of every sharer).
     sharers: the sharing sequences' indices in the step (at least two).
     num_rows: Q, the sharers' new tokens.
-    rows: [Q] int64, their rows in the step's packed new tokens.
+    rows: [Q] int64, their rows in the step's packed new tokens; None when every sequence shares it
+      (the rows are then all of them, in order).
     slots: [P] int64, the shared tokens' cache slots.
     rest_ctx_lens: [B] each sequence's cached tokens past the prefix (ctx_len - P for a sharer).
     cu_seqlens_kv: [B + 1] int32, packed offsets of each sequence's tokens past the prefix.
@@ -44,7 +45,7 @@ class SharedPrefix:
     length: int
     sharers: tuple[int, ...]
     num_rows: int
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     slots: torch.Tensor
     rest_ctx_lens: tuple[int, ...]
     cu_seqlens_kv: torch.Tensor
@@ -105,7 +106,7 @@ def build(
         length=length,
         sharers=sharers,
         num_rows=len(rows),
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        rows=None if len(sharers) == len(q_lens) else torch.tensor(rows, dtype=torch.int64, device=device),
         slots=slots(block_tables[sharers[0]], 0, length).to(device),
         rest_ctx_lens=rest_ctx,
         cu_seqlens_kv=torch.tensor(
