@@ -9,7 +9,8 @@ prefills one sequence of `--prompt-len` tokens: (1) cold, (2) after a sequence w
 suffix is prefilled), (3) with `--batches`, B such sequences (the same cached prefix, suffixes of
 their own) in one step: what a burst of cached requests costs the engine. For each: wall ms, GPU
 kernel ms, kernel launches, host syncs, the operators with the most host (self CPU) time (what an
-eager step spends launching) and those with the most GPU time.
+eager step spends launching) and those with the most GPU time; over the 5 timed runs, the caching
+allocator's cudaMalloc / cudaFree calls and retries, and the Triton kernels compiled or loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from mlac.runtime.engine import Engine
+from mlac.runtime.jit_compiles import JitCompiles
 from mlac.runtime.sampling import SamplingParams
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -44,6 +46,13 @@ def prefill_once(engine: Engine, ids: list[int] | list[list[int]]) -> float:
         sched.step()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def allocator_counts() -> dict[str, int]:
+    """The caching allocator's cudaMalloc / cudaFree calls and its retries after a failed one
+    (it frees its cached blocks and tries again: a device sync each time)."""
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
 
 def summarize(prof, wall_s: float) -> dict:
@@ -97,10 +106,15 @@ def main() -> None:
     for b in (int(x) for x in args.batches.split(",") if x.strip()):
         cases[f"cached_prefix_x{b}"] = lambda b=b: [prefix + ids(args.prompt_len) for _ in range(b)]
     for name, make in cases.items():
-        walls = [prefill_once(engine, make()) for _ in range(5)]
+        before = allocator_counts()
+        with JitCompiles() as jit:
+            walls = [prefill_once(engine, make()) for _ in range(5)]
+        after = allocator_counts()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = prefill_once(engine, make())
         out[name] = {"wall_ms_unprofiled": [round(w * 1e3, 2) for w in walls], **summarize(prof, wall)}
+        out[name]["allocator"] = {k: after[k] - before[k] for k in after}  # over the 5 timed runs
+        out[name]["jit"] = {"compiled": jit.compiled, "loaded": jit.loaded}
         print(name, {k: v for k, v in out[name].items() if not k.startswith("top_")}, flush=True)
         print("\n".join(out[name]["top_self_cpu"][:30] + out[name]["top_gpu"][:20]), flush=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -5,6 +5,7 @@ over all of its tokens, and the same greedy tokens end to end."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -185,15 +186,26 @@ def test_warmup_runs_the_cascade_in_both_rest_forms(artifact, monkeypatch):
 
     def spy(*a):
         sp, q_lens = a[6], a[7]
-        forms.append((len(sp.sharers), attention_forms.prefer_absorbed(q_lens, sp.rest_ctx_lens)))
+        forms.append((sp.rows is None, attention_forms.prefer_absorbed(q_lens, sp.rest_ctx_lens)))
         return real(*a)
 
     monkeypatch.setattr(model_mod, "extend_shared", spy)
     ran = engine._warm_shared_prefix()
     assert len(ran) == 2
-    assert {absorbed for _, absorbed in forms} == {True, False}
-    assert all(n >= 2 for n, _ in forms)
+    # short tails beside a sequence that shares nothing, long tails all sharing
+    assert set(forms) == {(False, True), (True, False)}
     monkeypatch.setattr(
         engine, "scheduler_config", dataclasses.replace(engine.scheduler_config, prefix_cache=False)
     )
     assert engine._warm_shared_prefix() == []
+
+
+def test_warmup_steps_are_larger_than_the_graphs_take(artifact, monkeypatch):
+    """A step of at most the graphs' largest bucket replays a graph, not the eager extend: the
+    warm-up's cascade steps are larger (here a stand-in for graphs of up to 200 rows)."""
+    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
+    fake = types.SimpleNamespace(max_bs=200, can_run=lambda step: False)
+    monkeypatch.setattr(engine.runner, "graphs", fake)
+    ran = engine._warm_shared_prefix()
+    block = engine.cache.allocator.block_size
+    assert [n * (length - 2 * block) for n, length in ran] == [5 * 64, 3 * 100]  # 4 sharers + 1, and 3

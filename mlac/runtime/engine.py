@@ -263,26 +263,34 @@ class Engine:
     def _warm_shared_prefix(self) -> list[tuple[int, int]]:
         """The shared-prefix extend's kernels (attention_forms.extend_shared): a two-block prompt
         cached, then sequences after it in one step, each with a tail of its own: short tails (the
-        rest of each sequence in the absorbed form) and long ones (the MHA form), enough rows in
-        all that prefer_shared takes the cascade. None without the prefix cache or the cascade."""
+        rest of each sequence in the absorbed form; one more sequence that shares nothing, so that
+        the sharers are some of the rows) and long ones (the MHA form). Enough rows in all that
+        prefer_shared takes the cascade, and more than the CUDA graphs take (a step of at most
+        their largest bucket replays a graph instead). None without the prefix cache or the cascade."""
         limits, alloc, vocab = self.scheduler_config, self.cache.allocator, self.config.vocab_size
         if not (limits.prefix_cache and SHARED_PREFIX):
             return []
         attn = self.runner.model.layers[0].attn
         need = next(q for q in itertools.count(1) if prefer_shared(q, attn.w_kc, attn.w_vc, attn.rope))
+        graphs = self.runner.graphs
+        need = max(need, graphs.max_bs + 1 if graphs is not None else 0)
         prefix = [5 + (j * 11) % (vocab - 5) for j in range(2 * alloc.block_size)]
         ran = []
         for k, tail in enumerate((ABSORBED_MAX_Q_LEN, ABSORBED_MAX_Q_LEN + 36)):
             n_seq = max(2, -(-need // tail))
-            if n_seq > limits.max_running_requests or n_seq * tail > limits.chunked_prefill_size:
+            alone = int(k == 0)  # the sequence that shares nothing
+            rows = (n_seq + alone) * tail
+            if n_seq + alone > limits.max_running_requests or rows > limits.chunked_prefill_size:
                 continue
             length = len(prefix) + tail
-            if length + 2 > self.max_context or (n_seq + 1) * alloc.blocks_for(length + 2) > alloc.num_free:
+            blocks = (n_seq + alone + 1) * alloc.blocks_for(length + 2)
+            if length + 2 > self.max_context or blocks > alloc.num_free:
                 continue
             self.generate([prefix + [4]], SamplingParams(max_tokens=1))  # caches the prefix's blocks
-            tails = [[3 + (i * 17 + j * 5 + k) % (vocab - 3) for j in range(tail)] for i in range(n_seq)]
-            self.generate([prefix + t for t in tails], SamplingParams(max_tokens=2, ignore_eos=True))
-            ran.append((n_seq, length))
+            tails = [[3 + (i * 17 + j * 5 + k) % (vocab - 3) for j in range(tail)] for i in range(n_seq + alone)]
+            prompts = [prefix + t for t in tails[:n_seq]] + tails[n_seq:]
+            self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+            ran.append((n_seq + alone, length))
         return ran
 
     def _variant_lengths(self, max_tokens: int) -> list[int]:

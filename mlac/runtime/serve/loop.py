@@ -189,8 +189,15 @@ class EngineLoop:
 
     # ---- the engine thread ----
 
+    def _on_compile(self, name: str) -> None:
+        """A Triton JIT compile: counted; named in the log once serving (a request waits on it:
+        the artifact was prepared without that kernel variant)."""
+        self.metrics.jit_compiles.inc()
+        if self.scheduler is not None:
+            log.warning("Triton compiled %s while serving (not in the prepared kernel cache)", name)
+
     def _main(self) -> None:
-        count_compiles(lambda name: self.metrics.jit_compiles.inc())  # start-up's and the requests'
+        count_compiles(self._on_compile)  # start-up's and the requests'
         try:
             self.engine = self._load()
             self.scheduler = self.engine.scheduler()
