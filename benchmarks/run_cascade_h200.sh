@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 (device tool, kind nvidia-h200): the shared-prefix (cascade) extend attention on the V2-Lite
 # real-shape synthetic, bf16, prepared. GPU_TESTS (if set) while it is made and compiled; `mlac prepare`; then,
-# with the cascade (default) and without (MLAC_SHARED_PREFIX=0): profile_prefill.py with ${BATCHES:-4,16,32}
+# with the cascade (MLAC_SHARED_PREFIX=1; prepared with it) and without (the default): profile_prefill.py with ${BATCHES:-4,16,32}
 # cached suffixes in one step, and prefix_workload.py at concurrency ${LEVELS:-1,4,16,64}.
 # $OUT: gpu_tests.txt, profile_prefill_{on,off}.json, prefix_workload_{on,off}.json, log.txt (with any JIT compile
 # the servers logged while serving).
@@ -15,7 +15,7 @@ if [ -n "${GPU_TESTS:-}" ]; then
   stamp "gpu tests rc=$?"; tail -n 4 "$OUT/gpu_tests.txt"
 fi
 wait $BUILD; stamp "synth + compile rc=$?"; tail -n 1 $W/c1.log; rm -rf $C
-timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda --max-running-requests 256 2>&1 | tail -1; stamp prepare
+MLAC_SHARED_PREFIX=1 timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda --max-running-requests 256 2>&1 | tail -1; stamp prepare
 for mode in on off; do
   sp=1; [ $mode = off ] && sp=0
   MLAC_SHARED_PREFIX=$sp timeout -k 10 150 python3 benchmarks/profile_prefill.py $W/bf16 \

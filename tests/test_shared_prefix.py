@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+import mlac.runtime.engine as engine_mod
 import mlac.runtime.model as model_mod
 from mlac.runtime import attention_forms, shared_prefix
 from mlac.runtime.attention_forms import (
@@ -178,9 +179,12 @@ def test_cascade_on_the_gpu():
 
 
 def test_warmup_runs_the_cascade_in_both_rest_forms(artifact, monkeypatch):
-    """Engine warm-up (prepare's too) meets the cascade's kernels: the prefix part, and the rest of
-    each sequence in the absorbed form (short tails) and in the MHA form (long ones)."""
+    """Engine warm-up (prepare's too) meets the cascade's kernels when it is on: the prefix part, and
+    the rest of each sequence in the absorbed form (short tails) and in the MHA form (long ones)."""
     engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
+    assert engine._warm_shared_prefix() == []  # off by default (MLAC_SHARED_PREFIX)
+    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", True)
+    monkeypatch.setattr(model_mod, "SHARED_PREFIX", True)
     forms = []
     real = attention_forms.extend_shared
 
@@ -204,6 +208,8 @@ def test_warmup_steps_are_larger_than_the_graphs_take(artifact, monkeypatch):
     """A step of at most the graphs' largest bucket replays a graph, not the eager extend: the
     warm-up's cascade steps are larger (here a stand-in for graphs of up to 200 rows)."""
     engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
+    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", True)
+    monkeypatch.setattr(model_mod, "SHARED_PREFIX", True)
     fake = types.SimpleNamespace(max_bs=200, can_run=lambda step: False)
     monkeypatch.setattr(engine.runner, "graphs", fake)
     ran = engine._warm_shared_prefix()

@@ -29,7 +29,8 @@ Sequences of an extend step that share cached blocks (prefix-cache hits on one s
 runtime/shared_prefix.py) attend to them once, together (`extend_shared`, cascade attention):
 each sequence over its own tokens past the shared prefix, all their new tokens over the prefix in
 the MHA form (its latents decompressed once, however many sequences share it), the two merged by
-log-sum-exp. `prefer_shared` is the rule; MLAC_SHARED_PREFIX=0 (read once, at import) turns it off.
+log-sum-exp. `prefer_shared` is the rule. Off unless MLAC_SHARED_PREFIX=1 (read once, at import):
+see SHARED_PREFIX below.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ from mlac.runtime.shared_prefix import SharedPrefix
 
 FUSED_MLA_OUT: bool = os.environ.get("MLAC_FUSED_MLA_OUT") != "0"  # read once, at import
 ROW_GROUPS: bool = os.environ.get("MLAC_MLA_ROW_GROUPS") != "0"  # read once, at import
-SHARED_PREFIX: bool = os.environ.get("MLAC_SHARED_PREFIX") != "0"  # read once, at import
+# Off by default: measured on an H200 (benchmarks/results/prefix_workload_h200.md, session 9) it cuts a cached
+# burst's GPU time by a third, but its extra launches make the eager step host-bound, and the wall time is no
+# better (16-32 suffixes). MLAC_SHARED_PREFIX=1 turns it on (prepare under the same setting).
+SHARED_PREFIX: bool = os.environ.get("MLAC_SHARED_PREFIX") == "1"  # read once, at import
 # head_bmm's merge reloads every used split's partials for each of its K steps. On an H200
 # (benchmarks/bench_mla_out.py, V2-Lite, benchmarks/results/fused_ab_h200_run.txt) it beat the merge
 # launch at 8 splits (batch 32, 256 tokens: 24.4 against 27.0 us) and lost at 32-64 splits (batch 1,
