@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 (device tool, kind nvidia-h200): the shared-prefix (cascade) extend attention on the V2-Lite
 # real-shape synthetic, bf16, prepared. GPU_TESTS (if set) while it is made and compiled; `mlac prepare`; then,
-# with the cascade (MLAC_SHARED_PREFIX=1; prepared with it) and without (the default): profile_prefill.py with ${BATCHES:-4,16,32}
+# with the cascade (the default) and without (MLAC_SHARED_PREFIX=0): profile_prefill.py with ${BATCHES:-4,16,32}
 # cached suffixes in one step, and prefix_workload.py at concurrency ${LEVELS:-1,4,16,64}.
 # $OUT: gpu_tests.txt, profile_prefill_{on,off}.json, prefix_workload_{on,off}.json, log.txt (with any JIT compile
 # the servers logged while serving).

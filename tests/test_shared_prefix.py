@@ -1,6 +1,6 @@
 """A cached prefix that several sequences of an extend step share (runtime/shared_prefix.py), and
 the cascade attention over it (attention_forms.extend_shared): the same attention as each sequence
-over all of its tokens, and the same greedy tokens end to end."""
+over all of its tokens, the rule that picks it, its warm-up, and the same greedy tokens end to end."""
 
 from __future__ import annotations
 
@@ -12,13 +12,8 @@ import torch
 
 import mlac.runtime.engine as engine_mod
 import mlac.runtime.model as model_mod
-from mlac.runtime import attention_forms, shared_prefix
-from mlac.runtime.attention_forms import (
-    extend_absorbed,
-    extend_mha,
-    extend_shared,
-    prefer_shared,
-)
+from mlac.runtime import shared_prefix
+from mlac.runtime.attention_forms import extend_absorbed, extend_mha, extend_shared, prefer_shared
 from mlac.runtime.engine import Engine
 from mlac.runtime.kv_cache import ForwardBatch
 from mlac.runtime.sampling import SamplingParams
@@ -41,75 +36,59 @@ def test_find_takes_the_largest_group_and_whole_cached_blocks():
     assert shared_prefix.find([14], [3], [[1, 2, 3, 9]], BS) is None  # one sequence
 
 
-def test_build_splits_each_sequence_at_the_prefix():
+def test_build_lays_out_the_prefix_once_then_each_sequences_own_tokens():
     tables = [[1, 2, 3, 9, 10], [1, 2, 3, 8], [7, 6]]
     ctx, q = [14, 12, 3], [3, 2, 4]
     full = ForwardBatch.build(ctx, q, tables, BS)
     sp = full.shared
     assert sp is not None and sp.sharers == (0, 1) and sp.length == 12 and sp.num_rows == 5
-    assert sp.rows.tolist() == [0, 1, 2, 3, 4]  # not every sequence shares it
-    assert sp.slots.tolist() == full.kv_slots[:12].tolist()
-    assert sp.rest_ctx_lens == (2, 0, 3)
+    assert sp.rest_ctx_lens == (2, 0, 3) and sp.shares.tolist() == [1, 1, 0]
     starts = full.cu_seqlens_kv.tolist()
-    want = torch.cat([full.kv_slots[starts[0] + 12 : starts[1]], full.kv_slots[starts[1] + 12 : starts[2]],
-                      full.kv_slots[starts[2] : starts[3]]])  # fmt: skip
+    want = torch.cat([full.kv_slots[:12], full.kv_slots[starts[0] + 12 : starts[1]],
+                      full.kv_slots[starts[1] + 12 : starts[2]], full.kv_slots[starts[2] : starts[3]]])  # fmt: skip
     assert sp.kv_slots.tolist() == want.tolist()
-    assert sp.cu_seqlens_kv.tolist() == [0, 5, 7, 14]
-    assert sp.cu_rows.tolist() == [0, 5] and sp.cu_prefix.tolist() == [0, 12]
+    assert sp.cu_seqlens_kv.tolist() == [12, 17, 19, 26]  # each one's own rows, after the prefix's 12
     assert ForwardBatch.build([14, 12], [1, 1], tables[:2], BS).shared is None  # decode: never
 
 
 def test_rule_at_deepseek_dims():
-    w_kc, w_vc = torch.empty(16, 128, 512), torch.empty(16, 512, 128)
-    assert not prefer_shared(170, w_kc, w_vc, 64) and prefer_shared(171, w_kc, w_vc, 64)
+    """A 2,000-token prefix: from 3 sequences of 64 new tokens the prefix decompressed once costs
+    less than each sequence's absorbed attention; a long private context of its own (8,000
+    tokens past the prefix, decompressed in the MHA form) tips it back."""
+    dims = torch.empty(16, 128, 512), torch.empty(16, 512, 128), 64
+
+    def rule(n, own=0):
+        return prefer_shared(2000, [own] + [0] * (n - 1), [64] * n, [2000 + own] + [2000] * (n - 1), *dims)
+
+    assert not rule(2) and rule(3) and rule(32)
+    assert not rule(3, own=8000)
 
 
-@pytest.mark.parametrize("rest_form", ["absorbed", "mha"])
-def test_cascade_equals_each_sequence_over_all_of_its_tokens(rest_form):
-    """Three sequences, two of them sharing 12 cached tokens, the third not; the rest of each runs
-    in either form. Against the absorbed form over every sequence's own copy of all its tokens."""
+@pytest.mark.parametrize("q_lens", [[3, 5, 4], [40, 60, 4]])
+def test_cascade_equals_each_sequence_over_all_of_its_tokens(q_lens):
+    """Three sequences, two of them sharing 12 cached tokens (one with 2 cached tokens of its own
+    past them), the third sharing nothing. Against the absorbed and the MHA form over every
+    sequence's own copy of all its tokens."""
     g = torch.Generator().manual_seed(0)
     h, nope, rope, c, v = 3, 16, 8, 32, 12
     tables = [[1, 2, 3, 9, 10], [1, 2, 3, 8, 11], [7, 6]]
     ctx = [14, 12, 3]
-    q_lens = [3, 5, 4] if rest_form == "absorbed" else [40, 60, 4]
     tables = [
         t + list(range(20 + 30 * i, 20 + 30 * i + 20)) for i, t in enumerate(tables)
-    ]  # room for the new tokens
+    ]  # room for new tokens
     batch = ForwardBatch.build(ctx, q_lens, tables, BS)
     pool = torch.randn(200 * BS, c + rope, generator=g)  # the cache, by slot
     t = sum(q_lens)
     q_nope, q_rope = torch.randn(t, h, nope + rope, generator=g).split([nope, rope], dim=-1)
     w_kc, w_vc = torch.randn(h, nope, c, generator=g) / c**0.5, torch.randn(h, c, v, generator=g) / c**0.5
-    want = extend_absorbed(
-        q_nope,
-        q_rope,
-        pool[batch.kv_slots],
-        w_kc,
-        w_vc,
-        batch.cu_seqlens_q,
-        batch.cu_seqlens_kv,
-        max(q_lens),
-        0.2,
-    )
+    plain = (pool[batch.kv_slots], w_kc, w_vc, batch.cu_seqlens_q, batch.cu_seqlens_kv, max(q_lens), 0.2)
     sp = batch.shared
     assert sp is not None and sp.sharers == (0, 1) and sp.length == 12
     got = extend_shared(
-        q_nope, q_rope, pool[sp.slots], pool[sp.kv_slots], w_kc, w_vc, sp, q_lens, batch.cu_seqlens_q, 0.2
+        q_nope, q_rope, pool[sp.kv_slots], w_kc, w_vc, sp, batch.cu_seqlens_q, max(q_lens), 0.2
     )
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    mha = extend_mha(
-        q_nope,
-        q_rope,
-        pool[batch.kv_slots],
-        w_kc,
-        w_vc,
-        batch.cu_seqlens_q,
-        batch.cu_seqlens_kv,
-        max(q_lens),
-        0.2,
-    )
-    torch.testing.assert_close(got, mha, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, extend_absorbed(q_nope, q_rope, *plain), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, extend_mha(q_nope, q_rope, *plain), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["tiny-v3", "tiny-v2-lite"])
@@ -132,7 +111,7 @@ def test_same_tokens_through_the_engine(artifact, monkeypatch, preset):
 
     calls = []
     real = model_mod.extend_shared
-    monkeypatch.setattr(model_mod, "extend_shared", lambda *a: (calls.append(a[6]), real(*a))[1])
+    monkeypatch.setattr(model_mod, "extend_shared", lambda *a: (calls.append(a[5]), real(*a))[1])
     plain = generate(False)
     assert not calls
     cascade = generate(True)
@@ -142,6 +121,39 @@ def test_same_tokens_through_the_engine(artifact, monkeypatch, preset):
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
             assert all(abs(p - r) < 1e-4 for (_, p), (_, r) in zip(x.top, y.top, strict=True))
+
+
+def test_warmup_runs_the_cascade(artifact, monkeypatch):
+    """Engine warm-up (prepare's too) meets the cascade's kernel when it is on: sharers and a
+    sequence that shares nothing in one step, a prefix long enough that the rule takes it."""
+    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
+    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", False)
+    assert engine._warm_shared_prefix() == []
+    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", True)
+    calls = []
+    real = model_mod.extend_shared
+    monkeypatch.setattr(model_mod, "extend_shared", lambda *a: (calls.append(a[5]), real(*a))[1])
+    ran = engine._warm_shared_prefix()
+    assert len(ran) == 1 and calls and all(sp.shares.tolist() == [1, 1, 1, 0] for sp in calls)
+    monkeypatch.setattr(
+        engine, "scheduler_config", dataclasses.replace(engine.scheduler_config, prefix_cache=False)
+    )
+    assert engine._warm_shared_prefix() == []
+
+
+def test_warmup_step_is_larger_than_the_graphs_take(artifact, monkeypatch):
+    """A step of at most the graphs' largest bucket replays a graph, not the eager extend: the
+    warm-up's cascade step is larger (here a stand-in for graphs of up to 200 rows)."""
+    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
+    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", True)
+    monkeypatch.setattr(
+        engine.runner, "graphs", types.SimpleNamespace(max_bs=200, can_run=lambda step: False)
+    )
+    calls = []
+    real = model_mod.extend_shared
+    monkeypatch.setattr(model_mod, "extend_shared", lambda *a: (calls.append(a[5]), real(*a))[1])
+    engine._warm_shared_prefix()
+    assert calls and calls[0].num_rows == 4 * 64 and len(calls[0].sharers) == 4  # 5 x 64 rows > 200
 
 
 @pytest.mark.gpu
@@ -172,46 +184,5 @@ def test_cascade_on_the_gpu():
     want = extend_absorbed(
         q_nope, q_rope, pool[batch.kv_slots], w_kc, w_vc, batch.cu_seqlens_q, batch.cu_seqlens_kv, own, scale
     )
-    got = extend_shared(
-        q_nope, q_rope, pool[sp.slots], pool[sp.kv_slots], w_kc, w_vc, sp, q_lens, batch.cu_seqlens_q, scale
-    )
+    got = extend_shared(q_nope, q_rope, pool[sp.kv_slots], w_kc, w_vc, sp, batch.cu_seqlens_q, own, scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-
-
-def test_warmup_runs_the_cascade_in_both_rest_forms(artifact, monkeypatch):
-    """Engine warm-up (prepare's too) meets the cascade's kernels when it is on: the prefix part, and
-    the rest of each sequence in the absorbed form (short tails) and in the MHA form (long ones)."""
-    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
-    assert engine._warm_shared_prefix() == []  # off by default (MLAC_SHARED_PREFIX)
-    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", True)
-    monkeypatch.setattr(model_mod, "SHARED_PREFIX", True)
-    forms = []
-    real = attention_forms.extend_shared
-
-    def spy(*a):
-        sp, q_lens = a[6], a[7]
-        forms.append((sp.rows is None, attention_forms.prefer_absorbed(q_lens, sp.rest_ctx_lens)))
-        return real(*a)
-
-    monkeypatch.setattr(model_mod, "extend_shared", spy)
-    ran = engine._warm_shared_prefix()
-    assert len(ran) == 2
-    # short tails beside a sequence that shares nothing, long tails all sharing
-    assert set(forms) == {(False, True), (True, False)}
-    monkeypatch.setattr(
-        engine, "scheduler_config", dataclasses.replace(engine.scheduler_config, prefix_cache=False)
-    )
-    assert engine._warm_shared_prefix() == []
-
-
-def test_warmup_steps_are_larger_than_the_graphs_take(artifact, monkeypatch):
-    """A step of at most the graphs' largest bucket replays a graph, not the eager extend: the
-    warm-up's cascade steps are larger (here a stand-in for graphs of up to 200 rows)."""
-    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
-    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", True)
-    monkeypatch.setattr(model_mod, "SHARED_PREFIX", True)
-    fake = types.SimpleNamespace(max_bs=200, can_run=lambda step: False)
-    monkeypatch.setattr(engine.runner, "graphs", fake)
-    ran = engine._warm_shared_prefix()
-    block = engine.cache.allocator.block_size
-    assert [n * (length - 2 * block) for n, length in ran] == [5 * 64, 3 * 100]  # 4 sharers + 1, and 3

@@ -12,6 +12,12 @@ H_kv must divide H: H_kv == H in DeepSeek's MHA form (d_qk 192, d_v 128); H_kv =
 form (d_qk 576 = latent + rope, v = the latent's first 512 columns: MQA over the cached latents). Flash-attention tiling: one program per
 (query tile, head, sequence), online softmax over key tiles, the tiles left of the diagonal run
 unmasked. `extend_attention` dispatches: Triton on CUDA, the reference on CPU.
+
+Shared prefix (`shared=(shares, P)`): the first P rows of k and v are a prefix that the sequences
+with shares[i] != 0 all have before their own keys (a prompt the prefix cache serves to several
+sequences of one step). Such a sequence attends to those P keys, all of them (they precede every
+new token), then to its own range of cu_seqlens_kv causally, as if its keys were the P shared ones
+followed by its own: the shared keys are scored once per query tile, not copied per sequence.
 """
 
 from __future__ import annotations
@@ -37,18 +43,22 @@ def extend_attention_ref(
     cu_seqlens_kv: torch.Tensor,
     softmax_scale: float,
     causal: bool = True,
+    shared: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 reference, one sequence at a time. Returns (o [T_q, H, d_v] in q's dtype,
-    lse [T_q, H] float32, natural log)."""
+    lse [T_q, H] float32, natural log). `shared`: (shares [B], P), module docstring."""
     t_q, h, _ = q.shape
     group = h // k.shape[1]
     o = torch.empty(t_q, h, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(t_q, h, dtype=torch.float32, device=q.device)
     cq, ckv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
+    shares, p = ([0] * (len(cq) - 1), 0) if shared is None else (shared[0].tolist(), shared[1])
     for i in range(len(cq) - 1):
+        own = list(range(ckv[i], ckv[i + 1]))
+        rows = (list(range(p)) if shares[i] else []) + own  # the shared keys first, then its own
         qi = q[cq[i] : cq[i + 1]].to(torch.float32)  # [Lq, H, d_qk]
-        ki = k[ckv[i] : ckv[i + 1]].to(torch.float32).repeat_interleave(group, dim=1)  # [Lkv, H, d_qk]
-        vi = v[ckv[i] : ckv[i + 1]].to(torch.float32).repeat_interleave(group, dim=1)  # [Lkv, H, d_v]
+        ki = k[rows].to(torch.float32).repeat_interleave(group, dim=1)  # [Lkv, H, d_qk]
+        vi = v[rows].to(torch.float32).repeat_interleave(group, dim=1)  # [Lkv, H, d_v]
         lq, lkv = qi.shape[0], ki.shape[0]
         s = torch.einsum("qhd,khd->hqk", qi, ki) * softmax_scale  # [H, Lq, Lkv]
         if causal:
@@ -111,15 +121,17 @@ if triton is not None:
 
     @triton.jit
     def _extend_attention_kernel(
-        q, k, v, o, lse_ptr, cu_q, cu_kv,
+        q, k, v, o, lse_ptr, cu_q, cu_kv, shares, shared_len,
         stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
         stride_o_t, stride_o_h, stride_l_t, stride_l_h,
         qk_scale_log2, GROUP: tl.constexpr,
         DQK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr,
-        PRECISION: tl.constexpr, PDL: tl.constexpr,
+        SHARED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """q/k head dims split as DA (a power of two) + a DB-wide masked tail (DB = 0: none)."""
+        """q/k head dims split as DA (a power of two) + a DB-wide masked tail (DB = 0: none).
+        SHARED: a sequence with shares[seq] != 0 first attends to rows 0..shared_len-1 of k and v,
+        unmasked (module docstring)."""
         pdl_start(PDL)  # before the early return: see mlac.kernels._triton
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
@@ -157,6 +169,30 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         limit = prefix + offs_m  # [BM] last key position each row may see (causal)
+        if SHARED:
+            if tl.load(shares + seq) != 0:  # the shared keys: before every row, none masked
+                ks_rows = k + offs_n0.to(tl.int64)[:, None] * stride_k_t + kv_h * stride_k_h
+                ks_a = ks_rows + offs_a[None, :]
+                if DB > 0:
+                    ks_b = ks_rows + offs_b[None, :]
+                else:
+                    ks_b = ks_a
+                vs_ptrs = (
+                    v + offs_n0.to(tl.int64)[:, None] * stride_v_t + kv_h * stride_v_h + offs_dv[None, :]
+                )
+                shared_full = shared_len // BLOCK_N * BLOCK_N
+                for n0 in range(0, shared_full, BLOCK_N):
+                    acc, m_i, l_i = _attn_tile(
+                        acc, m_i, l_i, q_a, q_b, ks_a, ks_b, vs_ptrs, offs_n0, n0, shared_len, limit,
+                        stride_k_t, stride_v_t, qk_scale_log2,
+                        BLOCK_DV != DV, DB, DQK, DA, DV, BLOCK_DV, False, False, PRECISION,
+                    )  # fmt: skip
+                for n0 in range(shared_full, shared_len, BLOCK_N):
+                    acc, m_i, l_i = _attn_tile(
+                        acc, m_i, l_i, q_a, q_b, ks_a, ks_b, vs_ptrs, offs_n0, n0, shared_len, limit,
+                        stride_k_t, stride_v_t, qk_scale_log2,
+                        BLOCK_DV != DV, DB, DQK, DA, DV, BLOCK_DV, True, False, PRECISION,
+                    )  # fmt: skip
         if CAUSAL:
             full_end = (prefix + pid_m * BLOCK_M) // BLOCK_N * BLOCK_N  # every row sees keys < this
             hi = tl.minimum(kv_len, prefix + (pid_m + 1) * BLOCK_M)
@@ -230,6 +266,7 @@ def extend_attention_triton(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    shared: tuple[torch.Tensor, int] | None = None,
 ):
     """Triton path of `extend_attention` (same contract); `out` [T_q, H, d_v] is written when given."""
     t_q, h, d_qk = q.shape
@@ -250,13 +287,16 @@ def extend_attention_triton(
     cfg = {**default_config(d_qk, d_v, q.device, q.dtype), **(config or {})}
     da, db = _split_head_dim(d_qk)
     grid = (triton.cdiv(max(max_seqlen_q, 1), cfg["BLOCK_M"]), h, n_seq)
+    if shared is not None:
+        assert shared[0].shape == (n_seq,) and shared[0].dtype == torch.int32 and 0 <= shared[1] <= t_kv
+    shares, shared_len = (cu_seqlens_q, 0) if shared is None else shared
     _extend_attention_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, shares, shared_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
         softmax_scale * LOG2E, GROUP=h // h_kv,
         DQK=d_qk, DA=da, DB=db, DV=d_v, BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, STORE_LSE=return_lse,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, STORE_LSE=return_lse, SHARED=shared is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 in, float32 math (no TF32)
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(),
     )  # fmt: skip
@@ -275,6 +315,7 @@ def extend_attention(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     use_triton: bool | None = None,
+    shared: tuple[torch.Tensor, int] | None = None,
 ):
     """Varlen attention of new tokens over [cached prefix + new tokens], MHA or MQA form.
 
@@ -283,6 +324,7 @@ def extend_attention(
     softmax_scale (YaRN mscale^2 included). causal aligns the diagonal to the end of the keys.
     max_seqlen_q sizes the Triton grid (computed from cu_seqlens_q, a host sync, when None).
     Returns o [T_q, H, d_v] in q's dtype, and with return_lse also lse [T_q, H] float32 (natural log).
+    shared: (shares [B] int32, P), a prefix in the first P rows of k and v (module docstring).
     """
     if _use_triton(q, use_triton):
         if max_seqlen_q is None:
@@ -290,9 +332,10 @@ def extend_attention(
                 int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if cu_seqlens_q.numel() > 1 else 0
             )
         return extend_attention_triton(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, softmax_scale, causal, return_lse, out
-        )
-    o, lse = extend_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale, causal)
+            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, softmax_scale, causal, return_lse, out,
+            shared=shared,
+        )  # fmt: skip
+    o, lse = extend_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale, causal, shared)
     if out is not None:
         o = out.copy_(o)
     return (o, lse) if return_lse else o

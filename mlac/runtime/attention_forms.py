@@ -26,11 +26,10 @@ all its rows. The CUDA graphs choose the form per step (mla_decode.prefer_row_gr
 MLAC_MLA_ROW_GROUPS=0 (read once, at import) keeps every step per-row (an end-to-end A/B).
 
 Sequences of an extend step that share cached blocks (prefix-cache hits on one system prompt,
-runtime/shared_prefix.py) attend to them once, together (`extend_shared`, cascade attention):
-each sequence over its own tokens past the shared prefix, all their new tokens over the prefix in
-the MHA form (its latents decompressed once, however many sequences share it), the two merged by
-log-sum-exp. `prefer_shared` is the rule. Off unless MLAC_SHARED_PREFIX=1 (read once, at import):
-see SHARED_PREFIX below.
+runtime/shared_prefix.py) attend to them in one launch (`extend_shared`, cascade attention), in
+the MHA form: the prefix's latents are read and decompressed once, however many sequences share
+it, and each sharer attends to them and then to its own tokens. `prefer_shared` is the rule;
+MLAC_SHARED_PREFIX=0 (read once, at import) turns it off.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from collections.abc import Sequence
 import torch
 
 from mlac.fp8 import BLOCK
-from mlac.kernels.attn_merge import merge_attention
 from mlac.kernels.extend_attention import extend_attention
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.head_bmm import head_bmm
@@ -50,10 +48,7 @@ from mlac.runtime.shared_prefix import SharedPrefix
 
 FUSED_MLA_OUT: bool = os.environ.get("MLAC_FUSED_MLA_OUT") != "0"  # read once, at import
 ROW_GROUPS: bool = os.environ.get("MLAC_MLA_ROW_GROUPS") != "0"  # read once, at import
-# Off by default: measured on an H200 (benchmarks/results/prefix_workload_h200.md, session 9) it cuts a cached
-# burst's GPU time by a third, but its extra launches make the eager step host-bound, and the wall time is no
-# better (16-32 suffixes). MLAC_SHARED_PREFIX=1 turns it on (prepare under the same setting).
-SHARED_PREFIX: bool = os.environ.get("MLAC_SHARED_PREFIX") == "1"  # read once, at import
+SHARED_PREFIX: bool = os.environ.get("MLAC_SHARED_PREFIX") != "0"  # read once, at import
 # head_bmm's merge reloads every used split's partials for each of its K steps. On an H200
 # (benchmarks/bench_mla_out.py, V2-Lite, benchmarks/results/fused_ab_h200_run.txt) it beat the merge
 # launch at 8 splits (batch 32, 256 tokens: 24.4 against 27.0 us) and lost at 32-64 splits (batch 1,
@@ -89,11 +84,10 @@ def extend_mha(
     cu_seqlens_kv: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
-    causal: bool = True,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H, v] (and lse [T, H] float32)
-    """MHA form: K and V decompressed per head from every cached latent. `causal`, `return_lse`:
-    extend_attention's."""
+    shared: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:  # [T, H, v]
+    """MHA form: K and V decompressed per head from every cached latent. `shared`: extend_attention's
+    (the first P rows of kv a prefix that the sequences with shares != 0 attend to first)."""
     c = w_kc.shape[-1]
     latent, k_rope = kv.split([c, kv.shape[-1] - c], dim=-1)
     k_nope = torch.matmul(latent, w_kc.transpose(1, 2)).transpose(
@@ -103,7 +97,7 @@ def extend_mha(
     k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, w_kc.shape[0], -1)], dim=-1)  # [S, H, nope + R]
     q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
     return extend_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, max_seqlen_q=max_seqlen_q, return_lse=return_lse
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, max_seqlen_q=max_seqlen_q, shared=shared
     )
 
 
@@ -117,63 +111,61 @@ def extend_absorbed(
     cu_seqlens_kv: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
-    causal: bool = True,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H, v] (and lse [T, H] float32)
-    """Absorbed form: MQA over the latents (one shared K = latent ‖ rope, V = latent). `causal`,
-    `return_lse`: extend_attention's (the lse of o_lat is o's: w_vc is applied after the softmax)."""
+) -> torch.Tensor:  # [T, H, v]
+    """Absorbed form: MQA over the latents (one shared K = latent ‖ rope, V = latent)."""
     c = w_kc.shape[-1]
     q_lat = head_bmm(q_nope, w_kc)  # [T, H, C]
     q = torch.cat([q_lat, q_rope.to(q_lat.dtype)], dim=-1)  # [T, H, C + R]
     k = kv[:, None, :]  # [S, 1, C + R]
     v = kv[:, None, :c]  # [S, 1, C], a view: last dim contiguous
-    res = extend_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, causal, max_seqlen_q=max_seqlen_q, return_lse=return_lse
-    )
-    o_lat, lse = res if return_lse else (res, None)
-    o = head_bmm(o_lat, w_vc)  # [T, H, v]
-    return (o, lse) if return_lse else o
+    o_lat = extend_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, scale, max_seqlen_q=max_seqlen_q)
+    return head_bmm(o_lat, w_vc)  # [T, H, v]
 
 
-def prefer_shared(num_rows: int, w_kc: torch.Tensor, w_vc: torch.Tensor, rope: int) -> bool:
-    """True when Q = `num_rows` new tokens attend more cheaply to a shared prefix together, in MHA
-    form (its P latents decompressed once: 2·P·H·C·(nope + v) FLOPs, then 2·(nope + R + v) per
-    pair), than each sequence in the absorbed form (2·(C + R + C) per pair): Q·(extra per pair) >
-    C·(nope + v), Q > 171 at DeepSeek's dims. (Where the sequences themselves would take the MHA
-    form, each one decompresses the prefix: sharing pays at any Q.)"""
+def prefer_shared(
+    length: int,
+    rest_ctx_lens: Sequence[int],
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    w_kc: torch.Tensor,  # [H, nope, C]
+    w_vc: torch.Tensor,  # [H, C, v]
+    rope: int,
+) -> bool:
+    """True when the cascade (extend_shared) over a shared prefix of `length` tokens, with
+    `rest_ctx_lens` cached tokens of each sequence past it (SharedPrefix's), costs fewer FLOPs than
+    the plain extend in its cheaper
+    form. Per head, decompressing a token costs 2·C·(nope + v), a (query, key) pair 2·(nope + R + v)
+    in the MHA form and 2·(C + R + C) in the absorbed one. Both score the same pairs; the cascade
+    decompresses the prefix once plus each sequence's tokens past it, the plain MHA form every
+    sequence's whole context. At DeepSeek's dims after a 2,000-token prefix it pays from 3
+    sequences of 64 new tokens."""
     nope, c = w_kc.shape[-2:]
     v = w_vc.shape[-1]
-    extra = (c + rope + c) - (nope + rope + v)
-    return num_rows * extra > c * (nope + v)
+    decompress, mha_pair, absorbed_pair = 2 * c * (nope + v), 2 * (nope + rope + v), 2 * (c + rope + c)
+    kv = [x + q for x, q in zip(ctx_lens, q_lens, strict=True)]
+    pairs = sum(q * n for q, n in zip(q_lens, kv, strict=True))
+    plain = min(pairs * absorbed_pair, sum(kv) * decompress + pairs * mha_pair)
+    own = sum(x + q for x, q in zip(rest_ctx_lens, q_lens, strict=True))
+    return (length + own) * decompress + pairs * mha_pair < plain
 
 
 def extend_shared(
     q_nope: torch.Tensor,  # [T, H, nope]
     q_rope: torch.Tensor,  # [T, H, R] roped
-    prefix_kv: torch.Tensor,  # [P, C + R] the shared prefix's latents
-    rest_kv: torch.Tensor,  # [S', C + R] every sequence's tokens past the prefix, packed
+    kv: torch.Tensor,  # [P + S', C + R] the shared prefix, then every sequence's tokens past it
     w_kc: torch.Tensor,  # [H, nope, C]
     w_vc: torch.Tensor,  # [H, C, v]
     shared: SharedPrefix,
-    q_lens: Sequence[int],
     cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
     scale: float,
 ) -> torch.Tensor:  # [T, H, v]
-    """Extend attention with a shared cached prefix (runtime/shared_prefix.py): every sequence over
-    its tokens past the prefix (causal, in the cheaper form for those lengths), the sharers' new
-    tokens over the prefix together (not causal, MHA form), merged by log-sum-exp."""
-    rest = extend_absorbed if prefer_absorbed(q_lens, shared.rest_ctx_lens) else extend_mha
-    o, lse = rest(
-        q_nope, q_rope, rest_kv, w_kc, w_vc, cu_seqlens_q, shared.cu_seqlens_kv, max(q_lens), scale,
-        return_lse=True,
+    """Extend attention with a shared cached prefix (runtime/shared_prefix.py), in the MHA form: the
+    prefix's latents decompressed once, one launch over [prefix ‖ each sequence's own tokens]."""
+    return extend_mha(
+        q_nope, q_rope, kv, w_kc, w_vc, cu_seqlens_q, shared.cu_seqlens_kv, max_seqlen_q, scale,
+        shared=(shared.shares, shared.length),
     )  # fmt: skip
-    rows = shared.rows  # None: every row
-    qn, qr = (q_nope, q_rope) if rows is None else (q_nope[rows], q_rope[rows])
-    o_p, lse_p = extend_mha(
-        qn, qr, prefix_kv, w_kc, w_vc, shared.cu_rows, shared.cu_prefix, shared.num_rows, scale,
-        causal=False, return_lse=True,
-    )  # fmt: skip
-    return merge_attention(o, lse, o_p, lse_p, rows)
 
 
 def decode_absorbed(

@@ -261,37 +261,38 @@ class Engine:
         return ran + self._warm_shared_prefix()
 
     def _warm_shared_prefix(self) -> list[tuple[int, int]]:
-        """The shared-prefix extend's kernels (attention_forms.extend_shared): a two-block prompt
-        cached, then sequences after it in one step, each with a tail of its own: short tails (the
-        rest of each sequence in the absorbed form; one more sequence that shares nothing, so that
-        the sharers are some of the rows) and long ones (the MHA form). Enough rows in all that
-        prefer_shared takes the cascade, and more than the CUDA graphs take (a step of at most
-        their largest bucket replays a graph instead). None without the prefix cache or the cascade."""
+        """The shared-prefix extend's kernel (attention_forms.extend_shared): a prompt cached, then,
+        in one step, sequences after it with tails of their own and one sequence that shares
+        nothing. The prefix is doubled from two blocks until prefer_shared takes the cascade for that
+        step, and the step has more rows than the CUDA graphs take (a step of at most their largest
+        bucket replays a graph instead). Returns [(sequences, tokens of the longest)], empty
+        without the prefix cache or the cascade, or when no such step fits."""
         limits, alloc, vocab = self.scheduler_config, self.cache.allocator, self.config.vocab_size
         if not (limits.prefix_cache and SHARED_PREFIX):
             return []
         attn = self.runner.model.layers[0].attn
-        need = next(q for q in itertools.count(1) if prefer_shared(q, attn.w_kc, attn.w_vc, attn.rope))
-        graphs = self.runner.graphs
-        need = max(need, graphs.max_bs + 1 if graphs is not None else 0)
-        prefix = [5 + (j * 11) % (vocab - 5) for j in range(2 * alloc.block_size)]
-        ran = []
-        for k, tail in enumerate((ABSORBED_MAX_Q_LEN, ABSORBED_MAX_Q_LEN + 36)):
-            n_seq = max(2, -(-need // tail))
-            alone = int(k == 0)  # the sequence that shares nothing
-            rows = (n_seq + alone) * tail
-            if n_seq + alone > limits.max_running_requests or rows > limits.chunked_prefill_size:
-                continue
-            length = len(prefix) + tail
-            blocks = (n_seq + alone + 1) * alloc.blocks_for(length + 2)
-            if length + 2 > self.max_context or blocks > alloc.num_free:
-                continue
-            self.generate([prefix + [4]], SamplingParams(max_tokens=1))  # caches the prefix's blocks
-            tails = [[3 + (i * 17 + j * 5 + k) % (vocab - 3) for j in range(tail)] for i in range(n_seq + alone)]
-            prompts = [prefix + t for t in tails[:n_seq]] + tails[n_seq:]
-            self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
-            ran.append((n_seq + alone, length))
-        return ran
+        graphs, tail = self.runner.graphs, ABSORBED_MAX_Q_LEN
+        sharers = max(3, -(-((graphs.max_bs if graphs is not None else 0) + 1) // tail))
+        n_seq = sharers + 1
+        if n_seq > limits.max_running_requests or n_seq * tail > limits.chunked_prefill_size:
+            return []
+        q_lens = [tail] * n_seq
+        length = 2 * alloc.block_size
+        while True:
+            ctx = [length] * sharers + [0]
+            if prefer_shared(length, [0] * n_seq, q_lens, ctx, attn.w_kc, attn.w_vc, attn.rope):
+                break
+            length *= 2
+            if length + tail + 2 > self.max_context:
+                return []
+        if (n_seq + 1) * alloc.blocks_for(length + tail + 2) > alloc.num_free:
+            return []
+        prefix = [5 + (j * 11) % (vocab - 5) for j in range(length)]
+        self.generate([prefix + [4]], SamplingParams(max_tokens=1))  # caches the prefix's blocks
+        tails = [[3 + (i * 17 + j * 5) % (vocab - 3) for j in range(tail)] for i in range(n_seq)]
+        prompts = [prefix + t for t in tails[:sharers]] + tails[sharers:]
+        self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+        return [(n_seq, length + tail)]
 
     def _variant_lengths(self, max_tokens: int) -> list[int]:
         """Prompt lengths whose one-sequence prefills meet every kernel variant that a step of 1 to

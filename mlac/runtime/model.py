@@ -146,11 +146,11 @@ class MLAttention(nn.Module):
         cached latents (prefix and new tokens), in the cheaper exact form (attention_forms.py); a
         prefix that several sequences share is attended to once for all of them (extend_shared)."""
         shared = batch.shared if SHARED_PREFIX else None
-        if shared is not None and prefer_shared(shared.num_rows, self.w_kc, self.w_vc, self.rope):
-            prefix, rest = cache.read(self.layer, shared.slots), cache.read(self.layer, shared.kv_slots)
+        lens, dims = (batch.q_lens, batch.ctx_lens), (self.w_kc, self.w_vc, self.rope)
+        if shared is not None and prefer_shared(shared.length, shared.rest_ctx_lens, *lens, *dims):
+            kv = cache.read(self.layer, shared.kv_slots)  # [P + S', C + R]: the prefix, then each one's own
             return extend_shared(
-                q_nope, q_rope, prefix, rest, self.w_kc, self.w_vc, shared, batch.q_lens, batch.cu_seqlens_q,
-                self.scale,
+                q_nope, q_rope, kv, self.w_kc, self.w_vc, shared, batch.cu_seqlens_q, max(batch.q_lens), self.scale,
             )  # fmt: skip
         kv = cache.read(self.layer, batch.kv_slots)  # [S, C + R], all sequences packed
         form = extend_absorbed if prefer_absorbed(batch.q_lens, batch.ctx_lens) else extend_mha

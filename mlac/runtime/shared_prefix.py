@@ -1,15 +1,15 @@
 """The cached prefix that several sequences of an extend step share: found once per step.
 
 After prefix-cache hits, the sequences of one prefill step often begin with the same cached
-blocks: a system prompt that every request repeats. The plain extend attends each sequence to
-its own copy of those tokens, so a step of 32 requests after a 2,000-token system prompt gathers
-and scores the prompt 32 times. With the shared prefix found, attention runs in two parts
-(attention_forms.extend_shared, "cascade" attention):
-1. every sequence attends, causally, to its own tokens past the shared prefix (all of its tokens
-   when it does not share it), keeping each row's log-sum-exp;
-2. the new tokens of all the sequences that share the prefix attend to it together, without a
-   mask (the prefix comes before every one of them);
-3. the two partial results merge by their log-sum-exps: the same softmax, up to rounding.
+blocks: a system prompt that every request repeats. The plain extend attends each sequence to its
+own copy of those tokens, so a step of 32 requests after a 2,000-token system prompt gathers the
+prompt's latents 32 times and, in the absorbed form, scores them at 576 + 512 dims per pair.
+With the shared prefix found (attention_forms.extend_shared, "cascade" attention):
+- the step's key/value rows are the prefix once, then every sequence's tokens past it;
+- they are decompressed once into the MHA form (192 / 128 dims per pair);
+- one attention launch takes each sharer over the prefix (unmasked: it precedes every new token)
+  and then over its own rows (causal), each other sequence over its own rows only
+  (kernels/extend_attention.py, `shared`).
 
 The prefix is whole blocks that every sharer has cached before this step (the radix cache shares
 blocks, and a sequence's new tokens may fill the rest of its last cached block). `find` takes the
@@ -33,25 +33,20 @@ class SharedPrefix:
     length: P, the shared tokens (positions 0..P-1 of every sharer).
     sharers: the sharing sequences' indices in the step (at least two).
     num_rows: Q, the sharers' new tokens.
-    rows: [Q] int64, their rows in the step's packed new tokens; None when every sequence shares it
-      (the rows are then all of them, in order).
-    slots: [P] int64, the shared tokens' cache slots.
     rest_ctx_lens: [B] each sequence's cached tokens past the prefix (ctx_len - P for a sharer).
-    cu_seqlens_kv: [B + 1] int32, packed offsets of each sequence's tokens past the prefix.
-    kv_slots: their slots, packed.
-    cu_rows, cu_prefix: [0, Q] and [0, P] int32, the rows and the prefix as one sequence.
+    kv_slots: the slots of the step's key/value rows: the prefix's P, then every sequence's
+      tokens past it (all of its tokens when it does not share), packed.
+    cu_seqlens_kv: [B + 1] int32, where each sequence's own rows start in them (after the P).
+    shares: [B] int32, 1 for a sharer.
     """
 
     length: int
     sharers: tuple[int, ...]
     num_rows: int
-    rows: torch.Tensor | None
-    slots: torch.Tensor
     rest_ctx_lens: tuple[int, ...]
-    cu_seqlens_kv: torch.Tensor
     kv_slots: torch.Tensor
-    cu_rows: torch.Tensor
-    cu_prefix: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    shares: torch.Tensor
 
 
 def find(
@@ -89,8 +84,6 @@ def build(
     sharers, blocks = found
     length = blocks * block_size
     share = set(sharers)
-    starts = list(itertools.accumulate(q_lens, initial=0))
-    rows = [r for i in sharers for r in range(starts[i], starts[i] + q_lens[i])]
     rest_ctx = tuple(c - length if i in share else c for i, c in enumerate(ctx_lens))
     kv_lens = [c + q for c, q in zip(rest_ctx, q_lens, strict=True)]
 
@@ -98,21 +91,18 @@ def build(
         p = torch.arange(start, end)
         return torch.tensor(table, dtype=torch.int64)[p // block_size] * block_size + p % block_size
 
-    rest = [
+    rows = [slots(block_tables[sharers[0]], 0, length)] + [
         slots(t, length if i in share else 0, c + q)
         for i, (t, c, q) in enumerate(zip(block_tables, ctx_lens, q_lens, strict=True))
     ]
     return SharedPrefix(
         length=length,
         sharers=sharers,
-        num_rows=len(rows),
-        rows=None if len(sharers) == len(q_lens) else torch.tensor(rows, dtype=torch.int64, device=device),
-        slots=slots(block_tables[sharers[0]], 0, length).to(device),
+        num_rows=sum(q_lens[i] for i in sharers),
         rest_ctx_lens=rest_ctx,
+        kv_slots=torch.cat(rows).to(device),
         cu_seqlens_kv=torch.tensor(
-            list(itertools.accumulate(kv_lens, initial=0)), dtype=torch.int32, device=device
+            list(itertools.accumulate(kv_lens, initial=length)), dtype=torch.int32, device=device
         ),
-        kv_slots=torch.cat(rest).to(device),
-        cu_rows=torch.tensor([0, len(rows)], dtype=torch.int32, device=device),
-        cu_prefix=torch.tensor([0, length], dtype=torch.int32, device=device),
+        shares=torch.tensor([int(i in share) for i in range(len(q_lens))], dtype=torch.int32, device=device),
     )

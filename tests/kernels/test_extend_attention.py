@@ -155,3 +155,62 @@ def test_extend_attention_gpu_absorbed_form_of_small_models(kv_lora, rope):
         [1, 64, 300], [0, 200, 17], 8, torch.bfloat16, "cuda", seed=9, kv_lora=kv_lora, rope=rope
     )
     check(case)
+
+
+def shared_case(p, q_lens, own_prefix, shares, heads, d_qk, d_v, dtype, device, seed=0):
+    """k/v rows: a shared prefix of p rows, then each sequence's own keys (its own cached ones and
+    its new tokens); shares[i]: sequence i attends to the shared rows first."""
+    q, k, v, cu_q, cu_kv, max_q, scale = make_case(
+        q_lens, own_prefix, heads, heads, d_qk, d_v, dtype, "cpu", seed
+    )
+    g = torch.Generator().manual_seed(seed + 100)
+    kp = torch.randn(p, heads, d_qk, generator=g).to(dtype)
+    vp = torch.randn(p, heads, d_v, generator=g).to(dtype)
+    k, v, cu_kv = torch.cat([kp, k]), torch.cat([vp, v]), cu_kv + p
+    sh = (torch.tensor(shares, dtype=torch.int32, device=device), p)
+    to = dict(device=device)
+    return (q.to(**to), k.to(**to), v.to(**to), cu_q.to(**to), cu_kv.to(**to), max_q, scale), sh
+
+
+def test_shared_prefix_reference_is_each_sequence_over_its_own_copy():
+    """The reference with a shared prefix equals the plain one over each sharer's keys laid out as
+    prefix + own keys (the causal diagonal aligned to the end)."""
+    (q, k, v, cu_q, cu_kv, _, scale), sh = shared_case(
+        21, [5, 3, 8], [4, 0, 2], [1, 0, 1], 2, 16, 8, torch.float64, "cpu", 11
+    )
+    o, lse = extend_attention_ref(q, k, v, cu_q, cu_kv, scale, True, sh)
+    p, starts = sh[1], cu_kv.tolist()
+    for i, shares in enumerate([1, 0, 1]):
+        rows = (list(range(p)) if shares else []) + list(range(starts[i], starts[i + 1]))
+        a, b = cu_q[i].item(), cu_q[i + 1].item()
+        cu = torch.tensor([0, b - a], dtype=torch.int32)
+        want, want_lse = extend_attention_ref(
+            q[a:b], k[rows], v[rows], cu, torch.tensor([0, len(rows)], dtype=torch.int32), scale
+        )
+        torch.testing.assert_close(o[a:b], want)
+        torch.testing.assert_close(lse[a:b], want_lse)
+
+
+@pytest.mark.parametrize("p", [16, 37])
+def test_extend_attention_shared_prefix(triton_device, p):
+    """Sharers and a non-sharer in one launch, a prefix that is and is not a whole key tile."""
+    case, sh = shared_case(
+        p, [7, 20, 3], [3, 0, 5], [1, 1, 0], 2, 48, 32, torch.float32, triton_device, seed=12
+    )
+    q, k, v, cu_q, cu_kv, max_q, scale = case
+    o_ref, lse_ref = extend_attention_ref(q, k, v, cu_q, cu_kv, scale, True, sh)
+    o, lse = extend_attention_triton(q, k, v, cu_q, cu_kv, max_q, scale, True, True, shared=sh)
+    assert rel_err(o, o_ref) < tol(q.dtype, q.device.type)
+    torch.testing.assert_close(lse.cpu(), lse_ref.cpu(), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_extend_attention_gpu_shared_prefix():
+    """DeepSeek's MHA form, bf16: 24 sequences of 64 new tokens after a 2,000-token shared prefix,
+    two of them with own cached tokens, one not sharing."""
+    q_lens, own = [64] * 24, [0] * 22 + [40, 300]
+    case, sh = shared_case(2000, q_lens, own, [1] * 23 + [0], 16, 192, 128, torch.bfloat16, "cuda", seed=13)
+    q, k, v, cu_q, cu_kv, max_q, scale = case
+    o_ref, _ = extend_attention_ref(q, k, v, cu_q, cu_kv, scale, True, sh)
+    o = extend_attention(q, k, v, cu_q, cu_kv, scale, max_seqlen_q=max_q, shared=sh)
+    assert rel_err(o, o_ref) < tol(q.dtype, "cuda")
