@@ -7,15 +7,7 @@
 # the servers logged while serving).
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-( python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 \
-  && python3 -m mlac.cli compile $C $W/bf16 --skip-accuracy-check >$W/c1.log 2>&1 ) &
-BUILD=$!
-if [ -n "${GPU_TESTS:-}" ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS >"$OUT/gpu_tests.txt" 2>&1
-  stamp "gpu tests rc=$?"; tail -n 4 "$OUT/gpu_tests.txt"
-fi
-wait $BUILD; stamp "synth + compile rc=$?"; tail -n 1 $W/c1.log; rm -rf $C
-MLAC_SHARED_PREFIX=1 timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda --max-running-requests 256 2>&1 | tail -1; stamp prepare
+prepared_bf16  # gpu_env.sh: build, GPU_TESTS meanwhile, prepare
 for mode in on off; do
   sp=1; [ $mode = off ] && sp=0
   MLAC_SHARED_PREFIX=$sp timeout -k 10 150 python3 benchmarks/profile_prefill.py $W/bf16 \

@@ -5,15 +5,7 @@
 # $OUT: gpu_tests.txt, serve_final.json, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-( python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 \
-  && python3 -m mlac.cli compile $C $W/bf16 --skip-accuracy-check >$W/c1.log 2>&1 ) &
-BUILD=$!
-if [ -n "${GPU_TESTS:-}" ]; then
-  timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS >"$OUT/gpu_tests.txt" 2>&1
-  stamp "gpu tests rc=$?"; tail -n 4 "$OUT/gpu_tests.txt"
-fi
-wait $BUILD; stamp "synth + compile rc=$?"; tail -n 1 $W/c1.log; rm -rf $C
-timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda --max-running-requests 256 2>&1 | tail -1; stamp prepare
+prepared_bf16  # gpu_env.sh: build, GPU_TESTS meanwhile, prepare
 rm -rf ~/.triton; unset TRITON_CACHE_DIR
 timeout -k 10 ${SERVE_S:-170} python3 benchmarks/serve_gpu.py $W/bf16 --device cuda --json "$OUT/serve_final.json" \
   --log $W/serve.log --batches 1,32,256 --prompt-len 64 --max-tokens 64 --peak-requests 1024 \

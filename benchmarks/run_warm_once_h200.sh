@@ -7,15 +7,7 @@
 # $OUT: gpu_tests.txt, serve_startup_{each,once}_<round>.json, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-( python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 \
-  && python3 -m mlac.cli compile $C $W/bf16 --skip-accuracy-check >$W/c1.log 2>&1 ) &
-BUILD=$!
-if [ -n "${GPU_TESTS:-}" ]; then
-  timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS >"$OUT/gpu_tests.txt" 2>&1
-  stamp "gpu tests rc=$?"; tail -n 4 "$OUT/gpu_tests.txt"
-fi
-wait $BUILD; stamp "synth + compile rc=$?"; tail -n 1 $W/c1.log; rm -rf $C
-timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda --max-running-requests 256 2>&1 | tail -1; stamp prepare
+prepared_bf16  # gpu_env.sh: build, GPU_TESTS meanwhile, prepare
 for r in $(seq 1 ${ROUNDS:-2}); do
   for mode in each once; do
     rm -rf ~/.triton; unset TRITON_CACHE_DIR
