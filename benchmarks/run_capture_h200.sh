@@ -6,13 +6,7 @@
 # $OUT: capture_{after_load,overlap}.json, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-if [ ! -d $W/bf16/cache ]; then
-  python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 || { tail -5 $W/synth.log; exit 1; }
-  python3 -m mlac.cli compile $C $W/bf16 --skip-accuracy-check >$W/c1.log 2>&1 || { tail -5 $W/c1.log; exit 1; }
-  rm -rf $C; stamp "synth + compile"
-  timeout 170 python3 -m mlac.cli prepare $W/bf16 --device cuda --max-running-requests 256 2>&1 | tail -1
-  stamp prepare
-fi
+[ -d $W/bf16/cache ] || prepared_bf16  # gpu_env.sh
 for mode in after_load overlap; do
   rm -rf ~/.triton; unset TRITON_CACHE_DIR
   overlap=1; [ $mode = after_load ] && overlap=0
