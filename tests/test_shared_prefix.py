@@ -43,6 +43,7 @@ def test_build_lays_out_the_prefix_once_then_each_sequences_own_tokens():
     sp = full.shared
     assert sp is not None and sp.sharers == (0, 1) and sp.length == 12 and sp.num_rows == 5
     assert sp.rest_ctx_lens == (2, 0, 3) and sp.shares.tolist() == [1, 1, 0]
+    assert sp.sums == (17 + 14 + 7, 5 + 2 + 7, 3 * 17 + 2 * 14 + 4 * 7)  # keys, own keys, pairs
     starts = full.cu_seqlens_kv.tolist()
     want = torch.cat([full.kv_slots[:12], full.kv_slots[starts[0] + 12 : starts[1]],
                       full.kv_slots[starts[1] + 12 : starts[2]], full.kv_slots[starts[2] : starts[3]]])  # fmt: skip
@@ -58,7 +59,8 @@ def test_rule_at_deepseek_dims():
     dims = torch.empty(16, 128, 512), torch.empty(16, 512, 128), 64
 
     def rule(n, own=0):
-        return prefer_shared(2000, [own] + [0] * (n - 1), [64] * n, [2000 + own] + [2000] * (n - 1), *dims)
+        sums = shared_prefix.step_sums([64] * n, [2000 + own] + [2000] * (n - 1), [own] + [0] * (n - 1))
+        return prefer_shared(2000, sums, *dims)
 
     assert not rule(2) and rule(3) and rule(32)
     assert not rule(3, own=8000)

@@ -90,10 +90,9 @@ def extend_mha(
     (the first P rows of kv a prefix that the sequences with shares != 0 attend to first)."""
     c = w_kc.shape[-1]
     latent, k_rope = kv.split([c, kv.shape[-1] - c], dim=-1)
-    k_nope = torch.matmul(latent, w_kc.transpose(1, 2)).transpose(
-        0, 1
-    )  # [S, H, nope], a view of [H, S, nope]
-    v = torch.matmul(latent, w_vc).transpose(0, 1)  # [S, H, v], a view of [H, S, v]: last dim contiguous
+    # [H, S, nope] and [H, S, v] products, used as [S, H, ...] views (last dim contiguous)
+    k_nope = torch.matmul(latent, w_kc.transpose(1, 2)).transpose(0, 1)
+    v = torch.matmul(latent, w_vc).transpose(0, 1)
     k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, w_kc.shape[0], -1)], dim=-1)  # [S, H, nope + R]
     q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
     return extend_attention(
@@ -124,28 +123,23 @@ def extend_absorbed(
 
 def prefer_shared(
     length: int,
-    rest_ctx_lens: Sequence[int],
-    q_lens: Sequence[int],
-    ctx_lens: Sequence[int],
+    sums: tuple[int, int, int],
     w_kc: torch.Tensor,  # [H, nope, C]
     w_vc: torch.Tensor,  # [H, C, v]
     rope: int,
 ) -> bool:
-    """True when the cascade (extend_shared) over a shared prefix of `length` tokens, with
-    `rest_ctx_lens` cached tokens of each sequence past it (SharedPrefix's), costs fewer FLOPs than
-    the plain extend in its cheaper
-    form. Per head, decompressing a token costs 2·C·(nope + v), a (query, key) pair 2·(nope + R + v)
-    in the MHA form and 2·(C + R + C) in the absorbed one. Both score the same pairs; the cascade
-    decompresses the prefix once plus each sequence's tokens past it, the plain MHA form every
-    sequence's whole context. At DeepSeek's dims after a 2,000-token prefix it pays from 3
-    sequences of 64 new tokens."""
+    """True when the cascade (extend_shared) over a shared prefix of `length` tokens costs fewer
+    FLOPs than the plain extend in its cheaper form; `sums` is shared_prefix.step_sums of the step
+    (keys, own keys past the prefix, pairs). Per head, decompressing a token costs 2·C·(nope + v),
+    a (query, key) pair 2·(nope + R + v) in the MHA form and 2·(C + R + C) in the absorbed one. Both
+    score the same pairs; the cascade decompresses the prefix once plus each sequence's own keys,
+    the plain MHA form every sequence's whole context. At DeepSeek's dims after a 2,000-token
+    prefix it pays from 3 sequences of 64 new tokens."""
     nope, c = w_kc.shape[-2:]
     v = w_vc.shape[-1]
     decompress, mha_pair, absorbed_pair = 2 * c * (nope + v), 2 * (nope + rope + v), 2 * (c + rope + c)
-    kv = [x + q for x, q in zip(ctx_lens, q_lens, strict=True)]
-    pairs = sum(q * n for q, n in zip(q_lens, kv, strict=True))
-    plain = min(pairs * absorbed_pair, sum(kv) * decompress + pairs * mha_pair)
-    own = sum(x + q for x, q in zip(rest_ctx_lens, q_lens, strict=True))
+    keys, own, pairs = sums
+    plain = min(pairs * absorbed_pair, keys * decompress + pairs * mha_pair)
     return (length + own) * decompress + pairs * mha_pair < plain
 
 

@@ -47,6 +47,7 @@ from mlac.runtime.scheduler import (  # noqa: F401  (find_stop: re-exported)
 from mlac.runtime.scheduler import (
     Sequence as Seq,
 )
+from mlac.runtime.shared_prefix import step_sums
 from mlac.runtime.spec_decode import check_spec
 from mlac.runtime.step import Step
 from mlac.runtime.tokenizer import Tokenizer
@@ -280,7 +281,7 @@ class Engine:
         length = 2 * alloc.block_size
         while True:
             ctx = [length] * sharers + [0]
-            if prefer_shared(length, [0] * n_seq, q_lens, ctx, attn.w_kc, attn.w_vc, attn.rope):
+            if prefer_shared(length, step_sums(q_lens, ctx, [0] * n_seq), attn.w_kc, attn.w_vc, attn.rope):
                 break
             length *= 2
             if length + tail + 2 > self.max_context:

@@ -146,8 +146,7 @@ class MLAttention(nn.Module):
         cached latents (prefix and new tokens), in the cheaper exact form (attention_forms.py); a
         prefix that several sequences share is attended to once for all of them (extend_shared)."""
         shared = batch.shared if SHARED_PREFIX else None
-        lens, dims = (batch.q_lens, batch.ctx_lens), (self.w_kc, self.w_vc, self.rope)
-        if shared is not None and prefer_shared(shared.length, shared.rest_ctx_lens, *lens, *dims):
+        if shared is not None and prefer_shared(shared.length, shared.sums, self.w_kc, self.w_vc, self.rope):
             kv = cache.read(self.layer, shared.kv_slots)  # [P + S', C + R]: the prefix, then each one's own
             return extend_shared(
                 q_nope, q_rope, kv, self.w_kc, self.w_vc, shared, batch.cu_seqlens_q, max(batch.q_lens), self.scale,

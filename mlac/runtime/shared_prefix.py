@@ -34,6 +34,7 @@ class SharedPrefix:
     sharers: the sharing sequences' indices in the step (at least two).
     num_rows: Q, the sharers' new tokens.
     rest_ctx_lens: [B] each sequence's cached tokens past the prefix (ctx_len - P for a sharer).
+    sums: `step_sums` of the step, what attention_forms.prefer_shared weighs (once per step, not per layer).
     kv_slots: the slots of the step's key/value rows: the prefix's P, then every sequence's
       tokens past it (all of its tokens when it does not share), packed.
     cu_seqlens_kv: [B + 1] int32, where each sequence's own rows start in them (after the P).
@@ -44,9 +45,20 @@ class SharedPrefix:
     sharers: tuple[int, ...]
     num_rows: int
     rest_ctx_lens: tuple[int, ...]
+    sums: tuple[int, int, int]
     kv_slots: torch.Tensor
     cu_seqlens_kv: torch.Tensor
     shares: torch.Tensor
+
+
+def step_sums(
+    q_lens: Sequence[int], ctx_lens: Sequence[int], rest_ctx_lens: Sequence[int]
+) -> tuple[int, int, int]:
+    """(keys, own keys, pairs): every sequence's tokens (cached and new), its tokens past the shared
+    prefix (all of them when it does not share it), and the (new token, key) pairs of the step."""
+    kv = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    own = sum(c + q for c, q in zip(rest_ctx_lens, q_lens, strict=True))
+    return sum(kv), own, sum(q * n for q, n in zip(q_lens, kv, strict=True))
 
 
 def find(
@@ -100,6 +112,7 @@ def build(
         sharers=sharers,
         num_rows=sum(q_lens[i] for i in sharers),
         rest_ctx_lens=rest_ctx,
+        sums=step_sums(q_lens, ctx_lens, rest_ctx),
         kv_slots=torch.cat(rows).to(device),
         cu_seqlens_kv=torch.tensor(
             list(itertools.accumulate(kv_lens, initial=length)), dtype=torch.int32, device=device
