@@ -22,7 +22,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlac.kernels.extend_attention import default_config, extend_attention_ref, extend_attention_triton  # noqa: E402
+from mlac.kernels.attention.extend import default_config, extend_attention_ref, extend_attention_triton  # noqa: E402
 
 LATENT, ROPE = 512, 64
 SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)

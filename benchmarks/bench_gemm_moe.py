@@ -26,10 +26,10 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlac.fp8 import dequantize_blocks, expand_block_scale  # noqa: E402
-from mlac.kernels import fp8_gemm as G  # noqa: E402
-from mlac.kernels import moe as M  # noqa: E402
-from mlac.kernels import moe_routing as R  # noqa: E402
+from mlac.core.fp8 import dequantize_blocks, expand_block_scale  # noqa: E402
+from mlac.kernels.gemm import fp8_gemm as G  # noqa: E402
+from mlac.kernels.moe import grouped as M  # noqa: E402
+from mlac.kernels.moe import routing as R  # noqa: E402
 
 DEV = "cuda"
 L2_ROTATE_BYTES = 256 << 20  # rotate inputs until one pass over them is ~4x the 60 MB L2

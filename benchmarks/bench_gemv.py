@@ -1,4 +1,4 @@
-"""Benchmark: the skinny decode GEMM (mlac/kernels/gemv.py) against what runs today, on one GPU.
+"""Benchmark: the skinny decode GEMM (mlac/kernels/gemm/gemv.py) against what runs today, on one GPU.
 
     python benchmarks/bench_gemv.py [--out results.json] [--quick] [--jobs 12] [--budget-s 140]
 
@@ -15,7 +15,7 @@ copy bandwidth measured in the same run (read + write). Every skinny result is c
 reference (rel_err). Kernels are compiled first by `--jobs` worker processes into Triton's disk cache.
 
 The end of the output is a block of `TUNED` lines, the best config per (kind, N, K, m_class), ready
-to paste into mlac/kernels/gemv.py.
+to paste into mlac/kernels/gemm/gemv.py.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_timing import copy_gbps as gpu_copy_gbps  # noqa: E402
 
-from mlac.kernels import fp8_gemm as G  # noqa: E402
-from mlac.kernels import gemv  # noqa: E402
 from mlac.kernels.fp8_quant import Fp8Act, act_quant  # noqa: E402
+from mlac.kernels.gemm import fp8_gemm as G  # noqa: E402
+from mlac.kernels.gemm import gemv  # noqa: E402
 
 DEV = "cuda"
 SHAPES = {  # name: (N, K)
@@ -311,7 +311,7 @@ def main() -> None:
     print(table(records))
     print("\n" + summary(records))
     lines = tuned_lines(records)
-    print("\n# paste into mlac/kernels/gemv.py TUNED:\n" + "\n".join(lines))
+    print("\n# paste into mlac/kernels/gemm/gemv.py TUNED:\n" + "\n".join(lines))
     print(f"\nwall {time.time() - t0:.1f} s", file=sys.stderr)
     if args.out:
         meta = dict(

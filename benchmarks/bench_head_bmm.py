@@ -36,7 +36,7 @@ for _p in (str(_HERE), str(_HERE.parent)):
         sys.path.insert(0, _p)
 import bench_gemm_moe as BG  # noqa: E402 - the timing helpers and ceilings are shared
 
-from mlac.kernels import head_bmm as HB  # noqa: E402
+from mlac.kernels.attention import head_bmm as HB  # noqa: E402
 
 DEV = "cuda"
 MATMULS = {  # name: (einsum, K, N, extra columns of x's buffer: q_nope is a slice of q [B, H, 192])

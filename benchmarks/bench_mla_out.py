@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import graph_us  # noqa: E402
 
-from mlac.kernels import head_bmm as HB  # noqa: E402
+from mlac.kernels.attention import head_bmm as HB  # noqa: E402
+from mlac.kernels.attention.mla_decode import mla_decode_triton  # noqa: E402
 from mlac.kernels.fp8_quant import act_quant  # noqa: E402
-from mlac.kernels.mla_decode import mla_decode_triton  # noqa: E402
 
 H, C, R, V, PAGE = 16, 512, 64, 128, 64
 

@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_timing import copy_gbps, graph_us  # noqa: E402
 
-from mlac.kernels import moe as M  # noqa: E402
-from mlac.kernels import moe_decode as MD  # noqa: E402
-from mlac.kernels import moe_routing as R  # noqa: E402
+from mlac.kernels.moe import decode as MD  # noqa: E402
+from mlac.kernels.moe import grouped as M  # noqa: E402
+from mlac.kernels.moe import routing as R  # noqa: E402
 
 DEV = "cuda"
 CALLS = 20  # calls per graph

@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_moe_decode import sweep  # noqa: E402
 from gpu_timing import copy_gbps, graph_us  # noqa: E402
 
-from mlac.kernels import moe as M  # noqa: E402
-from mlac.kernels import moe_routing as R  # noqa: E402
-from mlac.kernels.fp8_gemm import quantize_act_ref  # noqa: E402
 from mlac.kernels.fp8_quant import Fp8Act  # noqa: E402
-from mlac.runtime.layers import Weights  # noqa: E402
-from mlac.runtime.model import MLP  # noqa: E402
+from mlac.kernels.gemm.fp8_gemm import quantize_act_ref  # noqa: E402
+from mlac.kernels.moe import grouped as M  # noqa: E402
+from mlac.kernels.moe import routing as R  # noqa: E402
+from mlac.runtime.model.layers import Weights  # noqa: E402
+from mlac.runtime.model.model import MLP  # noqa: E402
 
 DEV = "cuda"
 CALLS = 20

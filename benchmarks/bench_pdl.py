@@ -57,7 +57,7 @@ def _fp8_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor
 def mlp_chain(n: int, device: str = "cuda"):
     """n // 4 dense FP8 MLP blocks at batch 1, the output of each the input of the next."""
     from mlac.kernels.activation import silu_mul_quant
-    from mlac.kernels.fp8_gemm import fp8_linear
+    from mlac.kernels.gemm.fp8_gemm import fp8_linear
     from mlac.kernels.norm_rope import rms_norm_quant
 
     x = torch.randn(1, D, device=device, dtype=torch.bfloat16)

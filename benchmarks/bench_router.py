@@ -1,4 +1,4 @@
-"""Benchmark: the MoE router at decode, three ways (mlac/kernels/router_gemv.py).
+"""Benchmark: the MoE router at decode, three ways (mlac/kernels/moe/router_gemv.py).
 
     python benchmarks/bench_router.py [--out results.json]
 
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_timing import copy_gbps, graph_us  # noqa: E402
 
-from mlac.kernels import router_gemv as rg  # noqa: E402
-from mlac.kernels.moe_routing import RoutingSpec, route  # noqa: E402
+from mlac.kernels.moe import router_gemv as rg  # noqa: E402
+from mlac.kernels.moe.routing import RoutingSpec, route  # noqa: E402
 
 LAYERS = 27
 SHAPES = {  # name: (D, routing)

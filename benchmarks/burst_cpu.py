@@ -30,14 +30,14 @@ import time
 
 import torch
 
-from mlac.kernels.moe import pick_moe_config
-from mlac.runtime import model as model_module
-from mlac.runtime.engine import Engine
-from mlac.runtime.graphs import DecodeGraphs
-from mlac.runtime.sampling import SamplingParams
-from mlac.runtime.scheduler import Scheduler, SchedulerConfig
+from mlac.kernels.moe.grouped import pick_moe_config
+from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from mlac.runtime.model import model as model_module
 from mlac.runtime.serve.loop import EngineLoop
 from mlac.runtime.serve.metrics import MetricsRecorder
+from mlac.runtime.worker.graphs import DecodeGraphs
 
 
 class Clock:

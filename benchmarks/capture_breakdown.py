@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mlac.runtime import graphs
+from mlac.runtime.worker import graphs
 
 
 class Meter:

@@ -51,7 +51,7 @@ def main() -> None:
     if not (ckpt / "config.json").is_file():
         synth_s, synth_rss = run(["mlac", "synth", args.preset, str(ckpt), "--seed", "0"])
     compile_s, compile_rss = run(["mlac", "compile", "--fp8", str(ckpt), str(out)])
-    from mlac.artifact import Manifest
+    from mlac.core.artifact import Manifest
 
     m = Manifest.load(out)
     import torch

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-import mlac.runtime.scheduler as scheduler_mod
-from mlac.runtime import constrain
-from mlac.runtime.constrain import GrammarSpec
-from mlac.runtime.engine import Engine
-from mlac.runtime.sampling import SamplingParams
+import mlac.runtime.engine.sequence as sequence_mod
+from mlac.runtime.engine import constrain
+from mlac.runtime.engine.constrain import GrammarSpec
+from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.sampling import SamplingParams
 
 MIN_ITEMS = 1000  # items the array must hold: far more than --steps tokens can write
 ITEM = {
@@ -80,7 +80,7 @@ def run(engine: Engine, batch: int, args, grammar: GrammarSpec | None) -> dict:
     while any(not s.decoding for s in sched.running) or sched.waiting:  # prefill
         sched.step()
     mask, bitmask = Timed(constrain.mask_logits, dev), Timed(constrain.token_bitmask, torch.device("cpu"))
-    scheduler_mod.mask_logits, constrain.token_bitmask = mask, bitmask
+    sequence_mod.mask_logits, constrain.token_bitmask = mask, bitmask
     steps = []
     try:
         for i in range(args.warmup + args.steps):
@@ -93,7 +93,7 @@ def run(engine: Engine, batch: int, args, grammar: GrammarSpec | None) -> dict:
         if len(sched.running) != batch:
             raise RuntimeError(f"{batch - len(sched.running)} requests finished before the end of the run")
     finally:
-        scheduler_mod.mask_logits, constrain.token_bitmask = mask.fn, bitmask.fn
+        sequence_mod.mask_logits, constrain.token_bitmask = mask.fn, bitmask.fn
         sched.abort_all()
     out = {"step_ms_median": statistics.median(steps), "step_ms_mean": statistics.mean(steps)}
     if grammar is not None:

@@ -1,5 +1,5 @@
 """What the GPU kernel benchmarks share (bench_moe_decode.py, bench_pdl.py, bench_gemv.py): the time of
-calls captured in one CUDA graph, and the device-copy ceiling (mlac.bench's, the same as `mlac bench`'s)."""
+calls captured in one CUDA graph, and the device-copy ceiling (mlac.tools.bench's, the same as `mlac bench`'s)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlac.bench import copy_bandwidth  # noqa: E402
+from mlac.tools.bench import copy_bandwidth  # noqa: E402
 
 
 def graph_us(fns, replays: int = 10) -> float:

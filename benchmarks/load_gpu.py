@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from mlac.artifact import Manifest
-from mlac.runtime.loader import load_artifact, rank_files
-from mlac.runtime.readpass import FileRead, default_threads, read_files
+from mlac.core.artifact import Manifest
+from mlac.runtime.worker.loader import load_artifact, rank_files
+from mlac.runtime.worker.readpass import FileRead, default_threads, read_files
 
 GB = 1e9
 

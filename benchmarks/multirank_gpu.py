@@ -21,9 +21,9 @@ from datetime import date
 
 import torch
 
-from mlac.artifact import Manifest
-from mlac.runtime.engine import Engine
-from mlac.runtime.sampling import SamplingParams
+from mlac.core.artifact import Manifest
+from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.sampling import SamplingParams
 
 PROMPT_LEN = 64
 DECODE_STEPS = 64

@@ -66,7 +66,7 @@ def parity(artifact: Path, out: Path, unquantized: Path | None) -> dict:
     import onnxruntime as ort
     import torch
 
-    from mlac.runtime.engine import Engine
+    from mlac.runtime.engine.engine import Engine
 
     sess = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()][1:]
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--unquantized", type=Path, default=None, help="with --parity: the bf16 artifact")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "onnx_export_cpu.json")
     args = ap.parse_args()
-    from mlac.artifact import Manifest
+    from mlac.core.artifact import Manifest
 
     m = Manifest.load(args.artifact)
     out = args.work / f"{args.artifact.name}-onnx"

@@ -26,7 +26,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mlac.config import ModelConfig
+from mlac.core.config import ModelConfig
 from mlac.synth.presets import PRESETS
 
 

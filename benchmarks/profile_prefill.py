@@ -25,9 +25,9 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from mlac.runtime.engine import Engine
-from mlac.runtime.jit_compiles import JitCompiles
-from mlac.runtime.sampling import SamplingParams
+from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.worker.jit_compiles import JitCompiles
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 

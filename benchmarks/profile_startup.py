@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ENGINE_IMPORTS = "import torch, triton; import mlac.runtime.serve.engine_start, mlac.runtime.engine"
+ENGINE_IMPORTS = "import torch, triton; import mlac.runtime.serve.engine_start, mlac.runtime.engine.engine"
 
 
 def import_times(top: int) -> str:

@@ -41,8 +41,8 @@ def free_port() -> int:
 def tp2_artifact(work: Path) -> Path:
     """The tiny-v2-lite synthetic compiled --tp 2 (this checkout's compiler)."""
     sys.path.insert(0, str(REPO))
-    from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import compile_checkpoint
+    from mlac.core.artifact import CompileOptions
     from mlac.synth import synthesize
 
     ckpt = synthesize(work / "ckpt", preset="tiny-v2-lite", seed=0)

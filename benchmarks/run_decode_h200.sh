@@ -8,8 +8,8 @@ set -uo pipefail
 python3 -m mlac.cli synth v2-lite $C >$W/synth.log 2>&1 &
 SYNTH=$!
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/test_graphs.py tests/kernels/test_mla_prep.py \
-    tests/kernels/test_activation.py tests/kernels/test_moe_routing.py tests/kernels/test_norm_rope.py tests/test_gpu_e2e.py} \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/runtime/worker/test_graphs.py tests/kernels/test_mla_prep.py \
+    tests/kernels/test_activation.py tests/kernels/test_moe_routing.py tests/kernels/test_norm_rope.py tests/runtime/test_gpu_e2e.py} \
     >"$OUT/tests.txt" 2>&1; stamp "gpu tests rc=$?"; tail -5 "$OUT/tests.txt"
 fi
 wait $SYNTH || { tail -5 $W/synth.log; exit 1; }; stamp synth

@@ -21,6 +21,6 @@ for mode in fp8 bf16; do
   python3 benchmarks/multirank_gpu.py --one $W/tp1-$mode --many $W/tp2-$mode --json $OUT/multirank_v2-lite_tp2_$mode.json 2>&1 | tail -40
   rm -rf $W/tp1-$mode $W/tp2-$mode
   if [ $mode = fp8 ]; then
-    MLAC_GPU_RESULTS=$OUT/gpu_e2e.json timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tail -8 | tee $OUT/gpu_e2e.log
+    MLAC_GPU_RESULTS=$OUT/gpu_e2e.json timeout 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_e2e.py 2>&1 | tail -8 | tee $OUT/gpu_e2e.log
   fi
 done

@@ -13,7 +13,7 @@ git log --oneline -1 2>/dev/null
   && { python3 -m mlac.cli compile $C $W/bf16 --skip-accuracy-check >$W/c1.log 2>&1 &
        python3 -m mlac.cli compile $C $W/fp8 --fp8 --skip-accuracy-check >$W/c2.log 2>&1; wait; } ) &
 BUILD=$!
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_decode_rows.py tests/test_graphs.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mla_decode_rows.py tests/runtime/worker/test_graphs.py \
   >"$OUT/gpu_tests.txt" 2>&1; stamp "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests.txt"
 python3 benchmarks/bench_mla_rows.py --json "$OUT/mla_rows.json"; stamp "mla rows rc=$?"
 wait $BUILD; stamp "synth + compile rc=$?"; tail -n 2 $W/c1.log $W/c2.log; rm -rf $C

@@ -16,7 +16,7 @@
 # $OUT: bench_${CONFIG}_{bf16,fp8}_{plain,k1,k2,k3}.json, tests.txt, train.log, train_report_$CONFIG.json, log.txt.
 set -uo pipefail
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-GPU_TESTS=${GPU_TESTS:-tests/test_mtp_spec.py tests/test_mtp_spec_chain.py tests/test_mtp_spec_overlap.py tests/test_graphs.py}
+GPU_TESTS=${GPU_TESTS:-tests/runtime/engine/test_spec_decode.py tests/runtime/worker/test_spec_chain.py tests/runtime/engine/test_spec_overlap.py tests/runtime/worker/test_graphs.py}
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS \
   >"$OUT/tests.txt" 2>&1; stamp "gpu tests rc=$?"; tail -5 "$OUT/tests.txt"
 CONFIG=${CONFIG:-small}; C=${CKPT:-$W/$CONFIG}; stamp "config $CONFIG, checkpoint $C"

@@ -19,4 +19,4 @@ timeout -k 10 ${SERVE_S:-150} python3 benchmarks/serve_gpu.py $W/bf16 --device c
   --serve-args=--require-prepared --budget-s $(( ${SERVE_S:-150} - 10 ))
 stamp "serve rc=$?"; grep -i "ready in\|kernel cache\|error" $W/serve.log | head -5
 ls ~/.triton/cache 2>/dev/null | wc -l | sed 's/^/files in ~\/.triton\/cache after serving: /'
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_prepare.py -m gpu 2>&1 | tail -4; stamp "zero-JIT test"
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/tools/test_prepare.py -m gpu 2>&1 | tail -4; stamp "zero-JIT test"

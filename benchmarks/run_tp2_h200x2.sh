@@ -21,7 +21,7 @@ if [ -n "${GLOO_TOO:-}" ]; then
   MLAC_STEP_CHANNEL=gloo $B $W/tp2 --json "$OUT/bench_tp2_gloo.json"; stamp "bench tp2 over gloo rc=$?"
 fi
 if [ -n "${OVERLAP_TOO:-}" ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_overlap_multirank_gpu.py 2>&1 | tail -3
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/dist/test_overlap_multirank_gpu.py 2>&1 | tail -3
   stamp "multi-rank overlap gpu test"
   $B $W/tp2 --disable-overlap-schedule --json "$OUT/bench_tp2_no_overlap.json"; stamp "bench tp2 without overlap rc=$?"
 fi

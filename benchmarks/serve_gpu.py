@@ -109,7 +109,7 @@ def environment(device: str) -> dict:
 
 
 def artifact_info(path: Path) -> dict:
-    from mlac.artifact import Manifest
+    from mlac.core.artifact import Manifest
 
     m = Manifest.load(path)
     return {"path": str(path), "tp": m.plan.tp, "ep": m.plan.ep, "fp8": m.options.fp8,

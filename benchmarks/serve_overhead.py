@@ -47,8 +47,8 @@ import serve_gpu  # noqa: E402  (a sibling script, not a package)
 
 def tiny_artifact(root: Path) -> Path:
     """Synthesize and compile the tiny-v3 preset under `root`."""
-    from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import compile_checkpoint
+    from mlac.core.artifact import CompileOptions
     from mlac.synth import synthesize
 
     ckpt = synthesize(root / "ckpt", preset="tiny-v3", seed=0)
@@ -80,8 +80,8 @@ def load(art: Path, max_batch: int, gpu_step_ms: float):
     """The engine over `art` (float32, CPU); its forward a WaitRunner's when gpu_step_ms > 0."""
     import torch
 
-    from mlac.runtime.engine import Engine
-    from mlac.runtime.scheduler import SchedulerConfig
+    from mlac.runtime.engine.engine import Engine
+    from mlac.runtime.engine.scheduler import SchedulerConfig
 
     config = SchedulerConfig(max_running_requests=max_batch)
     engine = Engine.from_artifact(art, dtype=torch.float32, verify=False, scheduler_config=config)
@@ -92,7 +92,7 @@ def load(art: Path, max_batch: int, gpu_step_ms: float):
 
 def in_process(art: Path, ids: list[list[int]], max_tokens: int, gpu_step_ms: float = 0.0) -> dict:
     """The N requests stepped by one Scheduler in this process: tokens/s and CPU us per token."""
-    from mlac.runtime.sampling import SamplingParams
+    from mlac.runtime.engine.sampling import SamplingParams
 
     engine = load(art, len(ids), gpu_step_ms)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -113,7 +113,7 @@ def in_process(art: Path, ids: list[list[int]], max_tokens: int, gpu_step_ms: fl
 
 def over_http_here(args, art: Path, ids: list[list[int]], clients) -> dict:
     """The N requests as concurrent streams to a ServerThread in this process (--gpu-step-ms)."""
-    from mlac.runtime.scheduler import SchedulerConfig
+    from mlac.runtime.engine.scheduler import SchedulerConfig
     from mlac.runtime.serve import ServerConfig, ServerThread
 
     config = ServerConfig(artifact=art, dtype="float32", verify=False, served_model_name="tiny",

@@ -20,13 +20,13 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mlac.runtime.spec_exec as spec_exec
-from mlac.runtime.engine import Engine
-from mlac.runtime.graphs import DecodeGraphs
-from mlac.runtime.sampling import SamplingParams
-from mlac.runtime.scheduler import SchedulerConfig
-from mlac.runtime.spec_chain import ChainGraphs
-from mlac.runtime.spec_graphs import DraftGraphs
+import mlac.runtime.worker.spec_exec as spec_exec
+from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.scheduler import SchedulerConfig
+from mlac.runtime.worker.graphs import DecodeGraphs
+from mlac.runtime.worker.spec_chain import ChainGraphs
+from mlac.runtime.worker.spec_graphs import DraftGraphs
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 
@@ -86,7 +86,7 @@ def measure(path: str, batch: int, k: int, chain: bool, steps: int) -> dict:
         return to_host(x)
 
     spec_exec.to_host = counted
-    import mlac.runtime.spec_decode as spec_decode
+    import mlac.runtime.engine.spec.decode as spec_decode
 
     spec_decode.to_host = counted
     sched = eng.scheduler()

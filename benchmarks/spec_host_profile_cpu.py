@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from mlac.runtime.engine import Engine
-from mlac.runtime.graphs import DecodeGraphs
-from mlac.runtime.sampling import SamplingParams
-from mlac.runtime.scheduler import SchedulerConfig
-from mlac.runtime.spec_chain import ChainGraphs
-from mlac.runtime.spec_graphs import DraftGraphs
+from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.scheduler import SchedulerConfig
+from mlac.runtime.worker.graphs import DecodeGraphs
+from mlac.runtime.worker.spec_chain import ChainGraphs
+from mlac.runtime.worker.spec_graphs import DraftGraphs
 
 BUCKETS = [1, 2, 4, 8, 16, 32]
 WATCHED = (  # (file suffix, function): the parts of a step's host work

@@ -27,9 +27,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from mlac.runtime.shm_channel import ShmChannel  # noqa: E402
+from mlac.runtime.dist.shm_channel import ShmChannel  # noqa: E402
+from mlac.runtime.dist.step_link import StepLink, recv_step, send_step  # noqa: E402
 from mlac.runtime.step import Step  # noqa: E402
-from mlac.runtime.step_link import StepLink, recv_step, send_step  # noqa: E402
 
 CASES = [(1, 8), (32, 8)]  # (B, W): decode Steps
 WARMUP = 200

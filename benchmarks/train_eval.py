@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from mlac.errors import MlacError
+from mlac.core.errors import MlacError
 from mlac.synth import train_data
 
 HELD_BYTES = 400_000  # about 100k tokens of the small config's tokenizer: more than --max-tokens
@@ -162,8 +162,9 @@ def eval_row(row: Row, out: Path, device: str, dtype: str, max_tokens: int, cont
 def argmaxes(art: Path, device: str, dtype: str, text: str, n_tokens: int, context: int) -> torch.Tensor:
     """The argmax [n] of each position the first n_tokens (non-overlapping windows of `context`)
     let `mlac eval` score, through Engine.score as `mlac eval` runs it."""
-    from mlac import evaluate as ev
-    from mlac.runtime.engine import Engine
+    from mlac.runtime.engine import perplexity as ppl
+    from mlac.runtime.engine.engine import Engine
+    from mlac.tools import evaluate as ev
 
     engine = Engine.from_artifact(art, device=device, dtype=getattr(torch, dtype), verify=False,
                                   num_blocks=-(-context // 16) + 1, cuda_graph=False)  # fmt: skip
@@ -171,7 +172,7 @@ def argmaxes(art: Path, device: str, dtype: str, text: str, n_tokens: int, conte
         ids, _ = ev.encode_text(engine, text, n_tokens)
         chunk = engine.scheduler_config.chunked_prefill_size
         picks = []
-        for w in ev.windows(len(ids), context, context):
+        for w in ppl.windows(len(ids), context, context):
             logits = engine.score(ids[w.begin : w.end], chunk_size=chunk)  # [T, V]
             picks.append(logits[w.first - w.begin - 1 : -1].argmax(-1).cpu())
     return torch.cat(picks)
@@ -230,7 +231,7 @@ def measure_row(row: Row, ckpt: Path, out: Path, args: argparse.Namespace, conte
 
 def manifest_accuracy(art: Path) -> dict[str, Any]:
     """The compile's own accuracy report and KV scales, from the artifact's manifest."""
-    from mlac.artifact import Manifest
+    from mlac.core.artifact import Manifest
 
     m = Manifest.load(art)
     return {**m.accuracy.model_dump(mode="json", exclude_none=True), "kv_scales": m.quantization.kv_scales}

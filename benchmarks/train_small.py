@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlac.errors import MlacError
+from mlac.core.errors import MlacError
 from mlac.synth import train_data
 from mlac.synth.tokenizer import BOS, CHAT_TEMPLATE, EOS, train_bpe
 from mlac.synth.train_export import write_checkpoint

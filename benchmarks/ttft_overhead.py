@@ -145,7 +145,7 @@ class AsgiStamps:
 
 def trace_engine(stamp: Stamps) -> None:
     """Wrap the engine process's path: the received add, the scheduler's step, the send back."""
-    from mlac.runtime.scheduler import Scheduler
+    from mlac.runtime.engine.scheduler import Scheduler
     from mlac.runtime.serve import engine_child
 
     engine_child._add = stamped(stamp, "child_add", engine_child._add)
@@ -251,7 +251,7 @@ def server_config(art: Path):
 
 def in_process(art: Path, prompts: list[list[int]], warm: int) -> dict:
     """Per prompt: wall seconds of new_sequence + add + the steps to its token, the engine alone."""
-    from mlac.runtime.sampling import SamplingParams
+    from mlac.runtime.engine.sampling import SamplingParams
     from mlac.runtime.serve import load_engine
 
     engine = load_engine(server_config(art))

@@ -6,11 +6,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Lazy: `import mlac` must stay cheap for the CLI and must not import torch-heavy runtime code.
     if name == "Engine":
-        from mlac.runtime.engine import Engine
+        from mlac.runtime.engine.engine import Engine
 
         return Engine
     if name == "SamplingParams":
-        from mlac.runtime.sampling import SamplingParams
+        from mlac.runtime.engine.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'mlac' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from mlac.errors import MlacError
+from mlac.core.errors import MlacError
 
 PROCESS_START = time.monotonic()  # the start-up log's import phase counts from here
 
@@ -46,7 +46,7 @@ def _log(msg: str) -> None:
 
 def _memory_options(fn):
     """--gpu-memory-utilization (alias --mem-fraction-static) and --max-model-len, of the commands
-    that run a model (see mlac/runtime/memory_plan.py)."""
+    that run a model (see mlac/runtime/worker/memory_plan.py)."""
     fn = click.option("--max-model-len", type=int, default=None,
                       help="Cap the context (default: the model's max_position_embeddings).")(fn)  # fmt: skip
     return click.option(
@@ -80,7 +80,7 @@ def _early_launch(out_dir):
     (they import it meanwhile, as under `serve`): the LaunchSpec that hands them their work to
     Engine.from_artifact, or None (one rank, or a manifest the load will refuse). Ranks never handed
     their work (bad input, a failed load) are stopped when the command ends."""
-    from mlac.runtime.world import LaunchSpec, start_node_ranks  # (no torch)
+    from mlac.runtime.dist.world import LaunchSpec, start_node_ranks  # (no torch)
 
     ranks = start_node_ranks(out_dir)
     if ranks is None:
@@ -184,11 +184,11 @@ def compile(model_dir, out_dir, fp8, tp, ep, dp_attention, kv_cache_dtype, cuda_
     --calibration-text and an FP8 KV cache, the cache's per-layer scales are calibrated on that
     text (max |entry| per layer maps to the format's max); without, every layer's scale is 1.0.
     """
-    from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import check_options, check_out_dir, compile_checkpoint
     from mlac.compiler.reader import Checkpoint
-    from mlac.compiler.writer import check_not_source
-    from mlac.config import ModelConfig
+    from mlac.core.artifact import CompileOptions
+    from mlac.core.atomic import check_not_source
+    from mlac.core.config import ModelConfig
 
     options = CompileOptions(
         fp8=fp8, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, accuracy_check=not skip_accuracy_check,
@@ -198,7 +198,7 @@ def compile(model_dir, out_dir, fp8, tp, ep, dp_attention, kv_cache_dtype, cuda_
     check_options(ModelConfig.from_dir(model_dir), options)  # before any safetensors file is opened
     check_out_dir(out_dir)
     if then_prepare:
-        from mlac.runtime.device import check_device
+        from mlac.runtime.worker.device import check_device
 
         check_device("cuda")  # no GPU: one line now, not after the compile
     ckpt = Checkpoint(model_dir)
@@ -214,7 +214,7 @@ def compile(model_dir, out_dir, fp8, tp, ep, dp_attention, kv_cache_dtype, cuda_
         _log(f"accuracy: skipped ({acc.reason})")
     click.echo(f"wrote {out_dir}")
     if then_prepare:
-        from mlac.prepare import prepare as run_prepare
+        from mlac.tools.prepare import prepare as run_prepare
 
         cache = run_prepare(out_dir, device="cuda", log=_log)
         click.echo(f"prepared {out_dir} for {cache.key}")
@@ -241,9 +241,9 @@ def prepare(out_dir, device, dtype, max_running_requests, chunked_prefill_size, 
     Atomic: an interrupted prepare leaves the artifact as it was. A server on a GPU of the same
     signature then compiles nothing. Preparing a target again replaces its cache.
     """
-    from mlac.prepare import WarmupShapes
-    from mlac.prepare import prepare as run_prepare
-    from mlac.runtime.device import check_device
+    from mlac.runtime.worker.device import check_device
+    from mlac.tools.prepare import WarmupShapes
+    from mlac.tools.prepare import prepare as run_prepare
 
     shapes = WarmupShapes(dtype=dtype, max_running_requests=max_running_requests,
                           chunked_prefill_size=chunked_prefill_size, cuda_graph_max_bs=cuda_graph_max_bs)  # fmt: skip
@@ -257,8 +257,8 @@ def prepare(out_dir, device, dtype, max_running_requests, chunked_prefill_size, 
 @friendly_errors
 def inspect(out_dir, as_json):
     """Show an artifact: identity, model, passes, plan, quantization, buckets and memory plan, sizes, accuracy."""
-    from mlac.artifact import Manifest
-    from mlac.inspect import describe, describe_identity
+    from mlac.core.artifact import Manifest
+    from mlac.tools.inspect import describe, describe_identity
 
     manifest = Manifest.load(out_dir)
     text = manifest.to_json() if as_json else describe_identity(out_dir) + describe(manifest)
@@ -271,7 +271,7 @@ def inspect(out_dir, as_json):
 def verify(out_dir):
     """Check the manifest against its identity (manifest.sha256) and re-hash every file against the
     manifest; refuse symlinks; name the first thing that differs. Prints the identity."""
-    from mlac.artifact import Manifest, check_identity, verify_files
+    from mlac.core.artifact import Manifest, check_identity, verify_files
 
     manifest = Manifest.load(out_dir)
     identity = check_identity(out_dir, manifest)
@@ -358,12 +358,12 @@ def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_
     launch = _early_launch(out_dir)
     import torch
 
-    from mlac.runtime.constrain import GrammarSpec, InvalidGrammar
-    from mlac.runtime.device import check_device
-    from mlac.runtime.engine import Engine
-    from mlac.runtime.generation_config import sampling_defaults
-    from mlac.runtime.scheduler import SchedulerConfig
-    from mlac.runtime.spec_decode import num_steps_of
+    from mlac.runtime.engine.constrain import GrammarSpec, InvalidGrammar
+    from mlac.runtime.engine.engine import Engine
+    from mlac.runtime.engine.generation_config import sampling_defaults
+    from mlac.runtime.engine.scheduler import SchedulerConfig
+    from mlac.runtime.engine.spec.decode import num_steps_of
+    from mlac.runtime.worker.device import check_device
 
     grammar = None if json_schema is None else GrammarSpec("json_schema", _read_json_schema(json_schema))
     sched = SchedulerConfig(speculative_num_steps=num_steps_of(speculative_algorithm, speculative_num_steps),
@@ -437,16 +437,16 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
     launch = _early_launch(out_dir)
     import torch
 
-    from mlac import bench as b
-    from mlac.runtime.device import check_device
-    from mlac.runtime.engine import Engine
-    from mlac.runtime.scheduler import SchedulerConfig
+    from mlac.runtime.engine.engine import Engine
+    from mlac.runtime.engine.scheduler import SchedulerConfig
+    from mlac.runtime.worker.device import check_device
+    from mlac.tools import bench as b
 
     sizes = _batch_sizes(batch_sizes)
     device = check_device(device)
     if num_blocks is None and device == "cpu":
         num_blocks = max(sizes) * -(-(input_len + output_len + 2 * (speculative_num_steps or 3)) // 16) + 1
-    from mlac.runtime.spec_decode import num_steps_of
+    from mlac.runtime.engine.spec.decode import num_steps_of
 
     spec = num_steps_of(speculative_algorithm, speculative_num_steps)
     sched = SchedulerConfig(max_running_requests=max(sizes), chunked_prefill_size=max(2048, input_len),
@@ -511,10 +511,11 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
     launch = _early_launch(out_dir)
     import torch
 
-    from mlac import evaluate as ev
-    from mlac.artifact import artifact_identity
-    from mlac.runtime.device import check_device
-    from mlac.runtime.engine import Engine
+    from mlac.core.artifact import artifact_identity
+    from mlac.runtime.engine import perplexity as ppl
+    from mlac.runtime.engine.engine import Engine
+    from mlac.runtime.worker.device import check_device
+    from mlac.tools import evaluate as ev
 
     text = ev.read_text(text_path)
     engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
@@ -524,11 +525,11 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
     with engine:
         ids, n_bytes = ev.encode_text(engine, text, max_tokens)
         if context_len is None:
-            context_len = min(engine.max_context, ev.DEFAULT_CONTEXT)
+            context_len = min(engine.max_context, ppl.DEFAULT_CONTEXT)
         stride = context_len if stride is None else stride
-        plan = ev.plan_windows(len(ids), context_len, stride, engine.max_context)
+        plan = ppl.plan_windows(len(ids), context_len, stride, engine.max_context)
         with _progress(sum(w.end - w.first for w in plan), "scoring") as bar:
-            result = ev.perplexity(engine, ids, context_len, stride, progress=bar.update)
+            result = ppl.perplexity(engine, ids, context_len, stride, progress=bar.update)
         click.echo(ev.summary(result, n_bytes))
         if json_path is not None:
             record = ev.to_json(engine, artifact_identity(out_dir), text_path, n_bytes, result, dtype)
@@ -666,8 +667,8 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "out", "messages": [{"role": "user", "content": "Hi"}]}'
     """
+    from mlac.runtime.dist.world import LaunchSpec, launches_rank_0, start_node_ranks
     from mlac.runtime.serve.engine_process import EngineProcess
-    from mlac.runtime.world import LaunchSpec, launches_rank_0, start_node_ranks
 
     launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
     launch = launch if nnodes > 1 else None
@@ -678,11 +679,11 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
     process = EngineProcess.start(out_dir, launch) if engine_process and serves else None
     if process is not None:
         click.get_current_context().call_on_close(process.close)
-    from mlac.runtime.device import check_device
-    from mlac.runtime.scheduler import SchedulerConfig
+    from mlac.runtime.engine.scheduler import SchedulerConfig
+    from mlac.runtime.engine.spec.decode import num_steps_of
     from mlac.runtime.serve import ServerConfig, api_key_from_env, load_engine
     from mlac.runtime.serve import serve as run_server
-    from mlac.runtime.spec_decode import num_steps_of
+    from mlac.runtime.worker.device import check_device
 
     if num_blocks is not None and kv_cache_bytes is not None:
         raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
@@ -735,7 +736,7 @@ def export_onnx(artifact, out_dir, force, no_verify, link_weights):
     weights/; FP8 blocks as float8e4m3fn with DequantizeLinear), mlac_onnx.json (how to feed it:
     inputs, latent cache, rope) and the tokenizer. One-rank artifacts only. See docs/onnx.md.
     """
-    from mlac.export.onnx_writer import plan_export
+    from mlac.export.onnx.writer import plan_export
 
     job = plan_export(artifact, out_dir, force=force, verify=not no_verify, link_weights=link_weights)
     with _progress(job.total_bytes, "exporting") as bar:
@@ -767,7 +768,7 @@ def demo(work, tp, prompt, max_tokens):
 
     Prints the reply and the timings: compile, load-to-ready, request.
     """
-    from mlac.demo import run_demo
+    from mlac.tools.demo import run_demo
 
     run_demo(work, tp=tp, prompt=prompt, max_tokens=max_tokens, echo=click.echo)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from mlac.config import ModelConfig
+from mlac.core.config import ModelConfig
 
 BASE: dict[str, Any] = dict(
     vocab_size=256,
@@ -227,7 +227,7 @@ def write_artifact(
     out: Path, raw: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer_dir: Path | None
 ) -> Path:
     """Write tensors + manifest in the artifact layout (1 rank). Returns `out`."""
-    from mlac.artifact import IDENTITY, Manifest, artifact_identity, identity_record
+    from mlac.core.artifact import IDENTITY, Manifest, artifact_identity, identity_record
 
     config = ModelConfig.from_hf(raw)
     out.mkdir(parents=True, exist_ok=True)

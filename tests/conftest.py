@@ -8,6 +8,7 @@ import os
 # small ops ~100x slower. Set before torch is imported (pytest imports conftest first).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest
@@ -18,6 +19,13 @@ import torch
 # a test file outside tests/kernels/ may import one (through mlac.runtime) before a kernel test does.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tests mirror mlac's packages (tests/runtime/engine/, ...). Test files have unique names and import
+# each other's helpers by name (`from test_spec_decode import spec_engine`): every folder of tests/
+# is on sys.path, as pytest's default import mode puts a test file's own folder there.
+for _folder in sorted(p for p in Path(__file__).parent.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    if any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 TINY_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3")
 
@@ -40,8 +48,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory, checkpoint):
     """artifact(preset, fp8=False) -> path of the compiled artifact, cached for the session."""
-    from mlac.artifact import CompileOptions
     from mlac.compiler.pipeline import compile_checkpoint
+    from mlac.core.artifact import CompileOptions
 
     made: dict[tuple[str, bool], Path] = {}
 
@@ -60,7 +68,7 @@ def artifact(tmp_path_factory, checkpoint):
 def steady(monkeypatch) -> list[bool]:
     """Overlap scheduling's landed flights: for each, whether the next step was already in flight
     (the steady state). Used by the overlap tests, one rank and several."""
-    import mlac.runtime.overlap as overlap_mod
+    import mlac.runtime.engine.overlap as overlap_mod
 
     seen: list[bool] = []
     land = overlap_mod.Overlap.land

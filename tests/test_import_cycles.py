@@ -6,7 +6,7 @@ walking the tree (new modules and packages are covered without a list to update)
 - Subpackage level: every import counts, those inside functions too (a lazy import is still a
   dependency); only imports under `if TYPE_CHECKING:` are left out. Modules collapse to the
   package that holds them (`mlac.compiler`, `mlac.runtime.serve`, ...); top-level modules
-  (`mlac.cli`, `mlac.fp8`) stand for themselves.
+  (`mlac.cli`, `mlac.core.fp8`) stand for themselves.
 - Module level: imports that run when the module is imported (not those inside functions),
   module by module.
 """
@@ -96,6 +96,26 @@ def import_graph(root: Path, module_level_only: bool) -> tuple[Graph, Where]:
 
 def packages(root: Path) -> set[str]:
     return {m for m, p in module_files(root).items() if p.name == "__init__.py"}
+
+
+def siblings(graph: Graph, where: Where) -> tuple[Graph, Where]:
+    """Each edge m -> t becomes x -> y, x and y the children of m's and t's nearest common package
+    that hold them (an import of an enclosing package's own __init__ is left out)."""
+    out: Graph = defaultdict(set)
+    out_where: Where = defaultdict(list)
+    for m, targets in graph.items():
+        for t in targets:
+            pm, pt = m.split("."), t.split(".")
+            i = 0
+            while i < min(len(pm), len(pt)) and pm[i] == pt[i]:
+                i += 1
+            if i >= len(pm) or i >= len(pt):
+                continue  # one holds the other
+            a, b = ".".join(pm[: i + 1]), ".".join(pt[: i + 1])
+            out[a].add(b)
+            out.setdefault(b, set())
+            out_where[a, b] += where[m, t]
+    return dict(out), out_where
 
 
 def collapse(graph: Graph, where: Where, pkgs: set[str], top: str) -> tuple[Graph, Where]:
@@ -240,13 +260,41 @@ def test_reader_sees_lazy_relative_and_from_package_imports(tmp_path):
 
 # ---- mlac itself ------------------------------------------------------------------------------
 
+# Top-level packages from the bottom up: each may import only those before it.
+LAYERS = (
+    ("mlac.core", "mlac.settings"),
+    ("mlac.kernels", "mlac.passes"),
+    ("mlac.runtime",),
+    ("mlac.compiler", "mlac.export", "mlac.synth"),
+    ("mlac.tools",),
+    ("mlac.cli",),
+)
 
-def test_no_cycle_between_subpackages():
+
+def layer_of(module: str) -> int | None:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return None
+
+
+def upward_imports(graph: Graph, where: Where) -> list[str]:
+    """Imports from a module to one of a layer above its own (or of its own layer, another package)."""
+    bad = []
+    for m, targets in graph.items():
+        lm = layer_of(m)
+        for t in targets:
+            lt = layer_of(t)
+            top_m, top_t = ".".join(m.split(".")[:2]), ".".join(t.split(".")[:2])
+            if lm is not None and lt is not None and (lt > lm or (lt == lm and top_m != top_t)):
+                bad.append(f"{m} -> {t} at {where[m, t]}")
+    return bad
+
+
+def test_no_cycle_between_modules():
     graph, where = import_graph(ROOT, module_level_only=False)
-    sub, sub_where = collapse(graph, where, packages(ROOT), "mlac")
-    assert {"mlac.compiler", "mlac.passes", "mlac.runtime", "mlac.kernels", "mlac.cli"} <= set(sub)
-    assert "mlac.passes" in sub["mlac.compiler"]  # the reader sees real edges
-    assert cycles(sub, sub_where) == []
+    assert "mlac.passes.fuse" in graph["mlac.compiler.pipeline"]  # the reader sees real edges
+    assert cycles(graph, where) == []
 
 
 def test_no_cycle_between_modules_at_import_time():
@@ -254,10 +302,42 @@ def test_no_cycle_between_modules_at_import_time():
     assert cycles(graph, where) == []
 
 
-def test_fp8_and_lazy_are_leaves_and_kernels_stay_below_the_compiler():
+def test_no_cycle_between_sibling_packages():
     graph, where = import_graph(ROOT, module_level_only=False)
-    assert graph["mlac.lazy"] <= {"mlac.errors"}, graph["mlac.lazy"]
-    assert graph["mlac.fp8"] <= {"mlac.errors", "mlac.lazy"}, graph["mlac.fp8"]
+    sib, sib_where = siblings(graph, where)
+    assert "mlac.runtime.kvcache" in sib["mlac.runtime.engine"]
+    assert cycles(sib, sib_where) == []
+
+
+def test_every_top_level_package_has_a_layer_and_imports_point_down():
+    graph, where = import_graph(ROOT, module_level_only=False)
+    tops = {".".join(m.split(".")[:2]) for m in graph if m != "mlac"}
+    assert [t for t in sorted(tops) if layer_of(t) is None] == []
+    assert upward_imports(graph, where) == []
+
+
+def test_a_planted_circle_in_mlac_is_found(tmp_path):
+    """A copy of mlac with one lazy import added (core/errors.py importing the engine inside a
+    function) fails the module-level check, the sibling check and the layer check."""
+    import shutil
+
+    copy = tmp_path / "mlac"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    errors = copy / "core" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _planted():\n    from mlac.runtime.engine import engine\n")
+    graph, where = import_graph(copy, module_level_only=False)
+    (line,) = [c for c in cycles(graph, where) if "mlac.core.errors" in c]
+    assert "mlac.core.errors -> mlac.runtime.engine.engine at mlac/core/errors.py:" in line
+    sib, sib_where = siblings(graph, where)
+    assert any("mlac.core -> mlac.runtime" in c for c in cycles(sib, sib_where))
+    assert any(b.startswith("mlac.core.errors -> mlac.runtime.engine.engine") for b in upward_imports(graph, where))
+    assert cycles(*import_graph(copy, module_level_only=True)) == []  # lazy: not at import time
+
+
+def test_core_is_a_leaf_and_kernels_stay_below_the_runtime():
+    graph, where = import_graph(ROOT, module_level_only=False)
+    assert graph["mlac.core.lazy"] <= {"mlac.core.errors"}, graph["mlac.core.lazy"]
+    assert graph["mlac.core.fp8"] <= {"mlac.core.errors", "mlac.core.lazy"}, graph["mlac.core.fp8"]
     below = ("mlac.passes", "mlac.compiler", "mlac.runtime", "mlac.synth")
     bad = [
         f"{m} -> {t} at {where[m, t]}"

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from mlac.artifact import CompileOptions, MTPInfo
 from mlac.compiler.reader import Checkpoint, read_globals, read_mtp, read_mtp_copies
-from mlac.lazy import LazyTensor
+from mlac.core.artifact import CompileOptions, MTPInfo
+from mlac.core.lazy import LazyTensor
 from mlac.passes import PassContext, absorb, fp8, fuse, rope, shard
 
 LAYER_PASSES = (rope, fuse, absorb)  # as the main layers (pipeline.LAYER_PASSES)

@@ -17,8 +17,11 @@ from pathlib import Path
 import torch
 
 import mlac
-from mlac import accuracy, calibrate
-from mlac.artifact import (
+from mlac.compiler.check import accuracy, calibrate
+from mlac.compiler.mtp import compiled_layers, mtp_group, mtp_info
+from mlac.compiler.reader import Checkpoint, read_globals, read_layer
+from mlac.compiler.writer import ArtifactWriter
+from mlac.core.artifact import (
     TOKENIZER_DIR,
     AccuracyReport,
     CompileOptions,
@@ -28,13 +31,10 @@ from mlac.artifact import (
     Quantization,
     SourceInfo,
 )
-from mlac.compiler.mtp import compiled_layers, mtp_group, mtp_info
-from mlac.compiler.reader import Checkpoint, read_globals, read_layer
-from mlac.compiler.writer import ArtifactWriter
-from mlac.config import ModelConfig
-from mlac.errors import MlacError
-from mlac.fp8 import BLOCK
-from mlac.lazy import LazyTensor
+from mlac.core.config import ModelConfig
+from mlac.core.errors import MlacError
+from mlac.core.fp8 import BLOCK
+from mlac.core.lazy import LazyTensor
 from mlac.passes import PassContext, absorb, buckets, fp8, fuse, rope, shard
 
 LAYER_PASSES = (rope, fuse, absorb)  # then shard (one layer -> one dict per rank), then fp8 per rank

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mlac.fp8 import BLOCK as GROUP
-from mlac.fp8 import FP8_MAX
+from mlac.core.fp8 import BLOCK as GROUP
+from mlac.core.fp8 import FP8_MAX
 from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
-from mlac.kernels.fp8_gemm import quantize_act_ref
 from mlac.kernels.fp8_quant import Fp8Act, cast_out, interpreting, quant_groups
+from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 
 if HAS_TRITON:
     from triton.language.extra import libdevice

@@ -1,6 +1,6 @@
 """Per-token, per-128-channel e4m3 activation quantization (Triton), and the Triton import guard.
 
-The reference is `mlac.kernels.fp8_gemm.quantize_act_ref`; this kernel matches it bit for bit
+The reference is `mlac.kernels.gemm.fp8_gemm.quantize_act_ref`; this kernel matches it bit for bit
 (same float32 amax, IEEE division, round-to-nearest-even e4m3 conversion).
 
 Triton is optional: a CPU-only install imports every kernel module, defines nothing it cannot,
@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from mlac.fp8 import BLOCK as GROUP
-from mlac.fp8 import FP8_MAX
+from mlac.core.fp8 import BLOCK as GROUP
+from mlac.core.fp8 import FP8_MAX
 from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton, use_triton  # noqa: F401 (re-exported)
 
 

@@ -18,9 +18,9 @@ import torch
 
 from mlac.kernels._triton import pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
-from mlac.kernels.fp8_gemm import BLOCK as QUANT_GROUP
-from mlac.kernels.fp8_gemm import FP8, FP8_MAX, quantize_act_ref
 from mlac.kernels.fp8_quant import Fp8Act, cast_out, quant_groups
+from mlac.kernels.gemm.fp8_gemm import BLOCK as QUANT_GROUP
+from mlac.kernels.gemm.fp8_gemm import FP8, FP8_MAX, quantize_act_ref
 
 # --------------------------------------------------------------------------------------------
 # References

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlac.kernels import gemv, router_gemv
-from mlac.kernels.fp8_gemm import gemm_variant, int_class, next_power_of_2
-from mlac.kernels.moe import moe_variants
+from mlac.kernels.gemm import gemv
+from mlac.kernels.gemm.fp8_gemm import gemm_variant, int_class, next_power_of_2
+from mlac.kernels.moe import router_gemv
+from mlac.kernels.moe.grouped import moe_variants
 
 
 @dataclass(frozen=True)

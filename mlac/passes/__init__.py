@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlac.artifact import CompileOptions
-from mlac.config import ModelConfig
+from mlac.core.artifact import CompileOptions
+from mlac.core.config import ModelConfig
 
 
 @dataclass(frozen=True)

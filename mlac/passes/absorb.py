@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from mlac.fp8 import dequantize_lazy
-from mlac.lazy import LazyTensor
+from mlac.core.fp8 import dequantize_lazy
+from mlac.core.lazy import LazyTensor
 from mlac.passes import PassContext
 
 NAME = "absorb"

@@ -16,8 +16,8 @@ import warnings
 
 import torch
 
-from mlac.fp8 import BLOCK, FP8, quantize_block_kernel, quantize_blocks, scale_shape
-from mlac.lazy import LazyTensor, concat_rows, stack
+from mlac.core.fp8 import BLOCK, FP8, quantize_block_kernel, quantize_blocks, scale_shape
+from mlac.core.lazy import LazyTensor, concat_rows, stack
 from mlac.passes import PassContext
 
 NAME = "fp8"
@@ -39,7 +39,7 @@ def params(ctx: PassContext) -> dict:
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mlac.fp8.quantize_blocks`, with its kernel compiled for large weights (same bits)."""
+    """`mlac.core.fp8.quantize_blocks`, with its kernel compiled for large weights (same bits)."""
     kernel = _compiled_kernel() if w.numel() >= COMPILE_MIN_ELEMENTS else quantize_block_kernel
     return quantize_blocks(w, kernel)
 

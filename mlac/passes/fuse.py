@@ -11,8 +11,8 @@ pass requantizes the fused tensor).
 
 from __future__ import annotations
 
-from mlac.fp8 import BLOCK, dequantize_lazy
-from mlac.lazy import LazyTensor, concat_rows, stack
+from mlac.core.fp8 import BLOCK, dequantize_lazy
+from mlac.core.lazy import LazyTensor, concat_rows, stack
 from mlac.passes import PassContext
 
 NAME = "fuse"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from mlac.fp8 import BLOCK, dequantize_lazy
-from mlac.lazy import LazyTensor
+from mlac.core.fp8 import BLOCK, dequantize_lazy
+from mlac.core.lazy import LazyTensor
 from mlac.passes import PassContext
 
 NAME = "rope"

@@ -19,11 +19,11 @@ is checked by `check` before any tensor is read.
 
 from __future__ import annotations
 
-from mlac.artifact import CompileOptions
-from mlac.config import ModelConfig
-from mlac.errors import MlacError
-from mlac.fp8 import BLOCK, dequantize_lazy
-from mlac.lazy import LazyTensor, concat_rows, per_part, take_cols, take_rows
+from mlac.core.artifact import CompileOptions
+from mlac.core.config import ModelConfig
+from mlac.core.errors import MlacError
+from mlac.core.fp8 import BLOCK, dequantize_lazy
+from mlac.core.lazy import LazyTensor, concat_rows, per_part, take_cols, take_rows
 from mlac.passes import PassContext
 
 NAME = "shard"

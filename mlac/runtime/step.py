@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mlac.errors import MlacError
-from mlac.runtime.kv_cache import ForwardBatch
+from mlac.core.errors import MlacError
+from mlac.runtime.kvcache.batch import ForwardBatch
 
 
 @dataclass(frozen=True)

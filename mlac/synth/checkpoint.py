@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mlac.config import ModelConfig
-from mlac.errors import MlacError
+from mlac.core.config import ModelConfig
+from mlac.core.errors import MlacError
 from mlac.synth.presets import PRESETS
 from mlac.synth.safetensors_writer import Progress, plan_shards, write_shard
 from mlac.synth.tokenizer import MIN_VOCAB, write_tokenizer

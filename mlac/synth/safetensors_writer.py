@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mlac.safetensors_io import encode_header
+from mlac.core.safetensors_io import encode_header
 from mlac.synth.weights import Param, draw_chunk
 
 Progress = Callable[[int], None]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from mlac.errors import MlacError
+from mlac.core.errors import MlacError
 from mlac.synth.tokenizer import EOS
 
 HOLD_OUT_EVERY = 20  # file k is held out when k % 20 == 19

@@ -7,7 +7,7 @@ Output: the per-expert names of the official releases (`mlp.experts.{j}.gate_pro
 the MTP layer with its copies of the embedding and head (`embed_tokens`, `shared_head.head`) as V3
 stores them, in one `model.safetensors`. With fp8, every weight that the reader's table marks as
 FP8 (and the MTP `eh_proj`) is stored e4m3 with a float32 `weight_scale_inv` per 128x128 block,
-by `mlac.fp8.quantize_blocks`, and config.json gets DeepSeek's `quantization_config`.
+by `mlac.core.fp8.quantize_blocks`, and config.json gets DeepSeek's `quantization_config`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from mlac.compiler.reader import expected_layer
-from mlac.config import ModelConfig
-from mlac.fp8 import quantize_blocks
+from mlac.core.config import ModelConfig
+from mlac.core.fp8 import quantize_blocks
+from mlac.core.names import expected_layer
 
 QUANTIZATION_CONFIG: dict[str, Any] = {
     "activation_scheme": "dynamic",

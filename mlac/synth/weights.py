@@ -1,7 +1,7 @@
 """The tensors of a DeepSeek checkpoint, and how to draw each one at random.
 
 `checkpoint_params` lists every weight an official Hugging Face checkpoint of the config holds,
-with its HF name and shape: the reader's table (`mlac.compiler.reader.expected_layer`), plus the
+with its HF name and shape: the reader's table (`mlac.core.names.expected_layer`), plus the
 MTP layers' own tensors, which the reader sets aside unchecked. `draw_chunk` draws a block of rows of one of them and encodes it as
 stored (bf16, or FP8 e4m3 plus float32 `weight_scale_inv` blocks). Each chunk has its own
 generator, seeded from (seed, tensor name, chunk index), so the bytes do not depend on the order
@@ -25,9 +25,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from mlac.compiler.reader import Expected, expected_globals, expected_layer
-from mlac.config import ModelConfig
-from mlac.fp8 import BLOCK, quantize_blocks, scale_shape
+from mlac.core.config import ModelConfig
+from mlac.core.fp8 import BLOCK, quantize_blocks, scale_shape
+from mlac.core.names import Expected, expected_globals, expected_layer
 
 Init = Literal["linear", "head", "norm", "embed", "router", "bias"]
 

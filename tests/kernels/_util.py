@@ -25,7 +25,7 @@ try:
 except ImportError:
     HAS_TRITON = False
 
-_KERNEL_MODULES = ("mlac.kernels.fp8_quant", "mlac.kernels.fp8_gemm", "mlac.kernels.moe")
+_KERNEL_MODULES = ("mlac.kernels.fp8_quant", "mlac.kernels.gemm.fp8_gemm", "mlac.kernels.moe.grouped")
 
 
 def kernel_modules():
@@ -96,8 +96,8 @@ def fp8_linear_ref64(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ou
 
     Leaves only the kernel's own summation order in the comparison: no float32 matmul (whose
     algorithm cuBLAS picks), and IEEE division in the quantization on any device."""
-    from mlac.fp8 import BLOCK, expand_block_scale
-    from mlac.kernels.fp8_gemm import quantize_act_ref
+    from mlac.core.fp8 import BLOCK, expand_block_scale
+    from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]

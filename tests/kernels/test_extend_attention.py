@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import poison, rel_err
 
-from mlac.kernels.extend_attention import (
+from mlac.kernels.attention.extend import (
     _split_head_dim,
     extend_attention,
     extend_attention_ref,
@@ -94,7 +94,7 @@ def test_extend_attention_bf16(triton_device):
 
 
 def test_extend_attention_dispatch_cpu_uses_reference(monkeypatch):
-    import mlac.kernels.extend_attention as mod
+    import mlac.kernels.attention.extend as mod
 
     monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
 

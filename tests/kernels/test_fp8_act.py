@@ -19,7 +19,7 @@ except ImportError:  # tests/ is not a package: pytest put this folder on sys.pa
 quant_mod, gemm_mod, moe_mod = _util.kernel_modules()  # before anything else imports triton
 
 from mlac.kernels import activation, norm_rope  # noqa: E402
-from mlac.kernels.moe_routing import RoutingSpec, route_ref  # noqa: E402
+from mlac.kernels.moe.routing import RoutingSpec, route_ref  # noqa: E402
 
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")

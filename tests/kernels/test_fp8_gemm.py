@@ -101,7 +101,8 @@ def test_import_and_reference_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from mlac.kernels import fp8_gemm, moe\n"
+        "from mlac.kernels.gemm import fp8_gemm\n"
+        "from mlac.kernels.moe import grouped\n"
         "assert not fp8_gemm.HAS_TRITON\n"
         "x = torch.randn(2, 256)\n"
         "w = torch.randn(128, 256).to(torch.float8_e4m3fn)\n"

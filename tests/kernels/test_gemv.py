@@ -28,9 +28,9 @@ DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
 
 def _gemv_module():
-    """mlac.kernels.gemv, interpreted when there is no CUDA (reloaded after _util's reloads)."""
+    """mlac.kernels.gemm.gemv, interpreted when there is no CUDA (reloaded after _util's reloads)."""
     _util.kernel_modules()
-    mod = importlib.import_module("mlac.kernels.gemv")
+    mod = importlib.import_module("mlac.kernels.gemm.gemv")
     if _util.HAS_TRITON and not _util.HAS_CUDA:
         mod = importlib.reload(mod)
     return mod
@@ -57,7 +57,7 @@ def _fp8_w(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _act(x: torch.Tensor, dtype: torch.dtype) -> Fp8Act:
-    from mlac.kernels.fp8_gemm import quantize_act_ref
+    from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 
     q, s = quantize_act_ref(x.cpu())
     return Fp8Act(q.to(x.device), s.to(x.device), dtype)
@@ -126,7 +126,7 @@ def test_fp8_float_input_quantized_in_kernel(cfg, m):
 
 @needs_triton
 def test_fp8_bf16_input_and_matches_fp8_linear():
-    from mlac.kernels.fp8_gemm import fp8_linear_ref
+    from mlac.kernels.gemm.fp8_gemm import fp8_linear_ref
 
     w, s = _fp8_w(160, 384, seed=3)
     x = _x(5, 384, torch.bfloat16, seed=4)
@@ -201,7 +201,7 @@ def test_skinny_declines_shapes_measured_slower():
 
 
 def _linear(fp8: bool):
-    from mlac.runtime.layers import Linear, Weights
+    from mlac.runtime.model.layers import Linear, Weights
 
     if fp8:
         w, s = _fp8_w(96, 256, seed=1)
@@ -213,8 +213,8 @@ def _linear(fp8: bool):
 def spy(monkeypatch):
     """Calls of layers.skinny_linear (which then runs the interpreted kernel); the other paths are
     replaced by the references so that only the choice is tested."""
-    from mlac.kernels.fp8_gemm import fp8_linear_ref
-    from mlac.runtime import layers
+    from mlac.kernels.gemm.fp8_gemm import fp8_linear_ref
+    from mlac.runtime.model import layers
 
     calls = []
 
@@ -246,7 +246,7 @@ def test_linear_picks_skinny_up_to_16_rows(spy, monkeypatch, fp8):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_linear_keeps_reference_on_cpu_and_when_off(spy, monkeypatch, fp8):
-    from mlac.runtime import layers
+    from mlac.runtime.model import layers
 
     monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
     lin, x = _linear(fp8), _x(1, 256, torch.bfloat16, seed=4).cpu()
@@ -259,7 +259,7 @@ def test_linear_keeps_reference_on_cpu_and_when_off(spy, monkeypatch, fp8):
 
 
 def test_switch_read_from_environment():
-    code = "import mlac.runtime.layers as l; print(l.SKINNY_GEMM)"
+    code = "import mlac.runtime.model.layers as l; print(l.SKINNY_GEMM)"
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     seen = []

@@ -28,15 +28,15 @@ DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
 
 def _head_bmm_module():
-    """mlac.kernels.head_bmm, interpreted when there is no CUDA (after _util's reloads)."""
+    """mlac.kernels.attention.head_bmm, interpreted when there is no CUDA (after _util's reloads)."""
     _util.kernel_modules()
-    mod = importlib.import_module("mlac.kernels.head_bmm")
+    mod = importlib.import_module("mlac.kernels.attention.head_bmm")
     if (
         _util.HAS_TRITON
         and not _util.HAS_CUDA
         and type(mod._head_bmm_kernel).__name__ != "InterpretedFunction"
     ):
-        mod = importlib.reload(sys.modules["mlac.kernels.head_bmm"])
+        mod = importlib.reload(sys.modules["mlac.kernels.attention.head_bmm"])
     return mod
 
 
@@ -135,7 +135,7 @@ def test_import_and_reference_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from mlac.kernels import head_bmm as hb\n"
+        "from mlac.kernels.attention import head_bmm as hb\n"
         "assert not hb.HAS_TRITON\n"
         "q, s = hb.quantize_head_weight(torch.randn(2, 128, 64))\n"
         "assert hb.head_bmm(torch.randn(3, 2, 128).bfloat16(), q, s).shape == (3, 2, 64)\n"

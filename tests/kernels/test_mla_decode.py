@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA, poison, rel_err
 
-from mlac.kernels.mla_decode import (
+from mlac.kernels.attention.mla_decode import (
     choose_num_splits,
     default_config,
     mla_decode,
@@ -149,7 +149,7 @@ def test_mla_decode_strided_queries(triton_device):
 
 
 def test_mla_decode_dispatch_cpu_uses_reference(monkeypatch):
-    import mlac.kernels.mla_decode as mod
+    import mlac.kernels.attention.mla_decode as mod
 
     monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
 

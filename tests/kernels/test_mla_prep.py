@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlac.kernels import mla_prep as prep
+from mlac.kernels.attention import mla_prep as prep
 
 BF16, F32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 BLOCK_SIZE = 4
@@ -155,8 +155,8 @@ def test_reference_is_what_the_model_does(kv_dtype):
     """mla_prep_ref == MLAttention.project's rope / kv_norm / cat, then PagedKVCache.write: bit for bit."""
     from types import SimpleNamespace
 
-    from mlac.runtime.kv_cache import PagedKVCache
-    from mlac.runtime.layers import RMSNorm, Weights, apply_rope
+    from mlac.runtime.kvcache.paged import PagedKVCache
+    from mlac.runtime.model.layers import RMSNorm, Weights, apply_rope
 
     t, h, nope, c, r = 6, 2, 8, 32, 16
     cache_dtype = E4M3 if kv_dtype == "fp8_e4m3" else BF16

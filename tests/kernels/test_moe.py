@@ -20,7 +20,7 @@ DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
 _, gemm_mod, moe_mod = _util.kernel_modules()
 
-from mlac.kernels.moe_routing import RoutingSpec, route_ref  # noqa: E402
+from mlac.kernels.moe.routing import RoutingSpec, route_ref  # noqa: E402
 
 
 def _experts(e: int, d: int, i: int, fp8: bool, seed: int, device=DEV):

@@ -1,4 +1,4 @@
-"""MoE routing: the Triton kernel (mlac.kernels.moe_routing) against its route_ref.
+"""MoE routing: the Triton kernel (mlac.kernels.moe.routing) against its route_ref.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 (set by _util before triton is imported)
 on small token counts; tests marked gpu run the V2-Lite and V3 shapes and are skipped without CUDA.
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlac.config import ModelConfig
-from mlac.errors import MlacError
+from mlac.core.config import ModelConfig
+from mlac.core.errors import MlacError
 
 try:
     from tests.kernels import _util
@@ -34,7 +34,7 @@ DEV = "cuda" if _util.HAS_CUDA else "cpu"
 RTOL = 1e-6
 
 _util.kernel_modules()  # fp8_quant (moe_routing's @jit) interpreted without CUDA
-routing = importlib.import_module("mlac.kernels.moe_routing")
+routing = importlib.import_module("mlac.kernels.moe.routing")
 if _util.HAS_TRITON and not _util.HAS_CUDA and type(routing._route_kernel).__name__ != "InterpretedFunction":
     routing = importlib.reload(routing)  # imported earlier in compiled mode: interpret it
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import rel_err
 
-from mlac.kernels.fp8_gemm import quantize_act_ref
+from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 from mlac.kernels.norm_rope import (
     rms_norm,
     rms_norm_quant,

@@ -37,9 +37,9 @@ try:
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
     import _util
 
-from mlac.runtime import attention_forms
-from mlac.runtime import model as model_mod
-from mlac.runtime.engine import Engine
+from mlac.runtime.engine.engine import Engine
+from mlac.runtime.model import attention as attention_forms
+from mlac.runtime.model import model as model_mod
 from mlac.runtime.step import Step
 
 pytestmark = pytest.mark.skipif(
@@ -124,7 +124,7 @@ def three_steps(engine: Engine, monkeypatch, routes: list) -> list[tuple[torch.T
     ctx = [p + EXTEND for p in PREFILL]
     tables: list[list[int]] = [[], []]
     for seq, table in zip(seqs, tables, strict=True):
-        engine.cache.allocator.reserve(table, len(seq))
+        engine.pool.allocator.reserve(table, len(seq))
     steps = [
         (0, Step.of([s[:p] for s, p in zip(seqs, PREFILL, strict=True)], [0, 0], tables, every_token=True)),
         (
@@ -140,7 +140,7 @@ def three_steps(engine: Engine, monkeypatch, routes: list) -> list[tuple[torch.T
             out.append((engine.runner.run(step), len(routes) - start))
     finally:
         for table in tables:
-            engine.cache.allocator.free(table)
+            engine.pool.allocator.free(table)
     return out
 
 

@@ -20,10 +20,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlac.errors import MlacError
-from mlac.runtime.constrain import GrammarSpec
-from mlac.runtime.generation_config import sampling_defaults
-from mlac.runtime.scheduler import Sequence
+from mlac.core.errors import MlacError
+from mlac.runtime.engine.constrain import GrammarSpec
+from mlac.runtime.engine.generation_config import sampling_defaults
+from mlac.runtime.engine.sequence import Sequence
 from mlac.runtime.serve.body import read_json
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_client import EngineClient, start_engine

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlac.errors import MlacError
-from mlac.runtime.scheduler import SchedulerConfig
+from mlac.core.errors import MlacError
+from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.serve.reasoning import check_reasoning_parser
 from mlac.runtime.serve.tools import check_tool_call_parser
 
 if TYPE_CHECKING:
-    from mlac.runtime.runner import LaunchSpec
+    from mlac.runtime.worker.runner import LaunchSpec
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_REQUEST_BODY_TIMEOUT = 30.0

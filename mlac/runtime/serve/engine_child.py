@@ -30,14 +30,14 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mlac.errors import MlacError
-from mlac.runtime.node_ranks import NodeRanks
-from mlac.runtime.scheduler import Delta
+from mlac.core.errors import MlacError
+from mlac.runtime.dist.node_ranks import NodeRanks
+from mlac.runtime.dist.world import LaunchSpec
+from mlac.runtime.engine.sequence import Delta
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_start import GIL_SWITCH_INTERVAL_S, load_engine, log_to_stderr
 from mlac.runtime.serve.loop import EngineLoop, encode_error
 from mlac.runtime.serve.metrics import MetricsRecorder
-from mlac.runtime.world import LaunchSpec
 
 log = logging.getLogger("mlac.server")
 

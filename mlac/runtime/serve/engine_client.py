@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlac.artifact import TOKENIZER_DIR, Manifest
-from mlac.config import ModelConfig
-from mlac.errors import MlacError
-from mlac.runtime.constrain import Grammars
-from mlac.runtime.sampling import SamplingParams
+from mlac.core.artifact import TOKENIZER_DIR, Manifest
+from mlac.core.config import ModelConfig
+from mlac.core.errors import MlacError
+from mlac.runtime.engine.constrain import Grammars
+from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_process import EngineProcess
 from mlac.runtime.serve.loop import (
@@ -37,7 +38,6 @@ from mlac.runtime.serve.loop import (
     hand_over,
 )
 from mlac.runtime.serve.metrics import Metrics, replay
-from mlac.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("mlac.server")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlac.runtime.world import LaunchSpec
+    from mlac.runtime.dist.world import LaunchSpec
 
 log = logging.getLogger("mlac.server")
 
@@ -77,10 +77,10 @@ def _child_main(conn: Connection, artifact: str | Path | None, launch: LaunchSpe
     wait for the config and serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from mlac.runtime.world import start_node_ranks  # (no torch)
+    from mlac.runtime.dist.world import start_node_ranks  # (no torch)
 
     ranks = start_node_ranks(artifact, launch) if artifact is not None else None
-    from mlac.runtime import engine  # noqa: F401  (torch, the model, the runner: imported while
+    from mlac.runtime.engine import engine  # noqa: F401  (torch, the model, the runner: imported while
     from mlac.runtime.serve import engine_child  # the server imports its own, before the config comes)
 
     try:

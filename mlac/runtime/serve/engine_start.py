@@ -23,7 +23,7 @@ def load_engine(config: ServerConfig):
     fills engine.startup (the phases, see startup_line, also in /health) and logs startup_line."""
     import torch
 
-    from mlac.runtime.engine import Engine
+    from mlac.runtime.engine.engine import Engine
 
     start = time.monotonic()
     engine = Engine.from_artifact(

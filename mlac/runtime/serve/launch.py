@@ -25,7 +25,7 @@ from typing import Any
 
 import uvicorn
 
-from mlac.errors import MlacError
+from mlac.core.errors import MlacError
 from mlac.runtime.serve.app import ServerState, create_app
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_client import EngineClient
@@ -125,7 +125,7 @@ def close_engine(state: ServerState) -> None:
 def serve(config: ServerConfig, log_level: str = "info", process: Any = None) -> None:
     """Run the server until SIGTERM / Ctrl-C (blocking). A model that fails to load is an MlacError.
     `process`: the engine's process, started early (engine_process.EngineProcess.start)."""
-    from mlac.artifact import Manifest
+    from mlac.core.artifact import Manifest
 
     Manifest.load(config.artifact)  # a bad artifact fails here, before the port is opened
     check_port(config.host, config.port)  # and a busy port, before the model loads

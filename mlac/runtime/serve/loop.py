@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mlac.errors import MlacError
-from mlac.runtime.jit_compiles import count_compiles
-from mlac.runtime.scheduler import Delta, Sequence
+from mlac.core.errors import MlacError
+from mlac.runtime.engine.sequence import Delta, Sequence
 from mlac.runtime.serve.metrics import Metrics, MetricsRecorder
 from mlac.runtime.serve.protocol import ApiError
 from mlac.runtime.serve.stats import Gauges, StatsLog, log_arrival, log_finish
+from mlac.runtime.worker.jit_compiles import count_compiles
 
 log = logging.getLogger("mlac.server")
 

@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mlac.runtime.constrain import GrammarSpec, InvalidGrammar
-from mlac.runtime.generation_config import SamplingDefaults
-from mlac.runtime.sampling import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
-from mlac.runtime.scheduler import Sequence
+from mlac.runtime.engine.constrain import GrammarSpec, InvalidGrammar
+from mlac.runtime.engine.generation_config import SamplingDefaults
+from mlac.runtime.engine.sampling import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
+from mlac.runtime.engine.sequence import Sequence
 
 MAX_N = 16  # choices of one request (n); each is one engine request
 MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM has no limit; 300,000 of them slowed every request 5-7x

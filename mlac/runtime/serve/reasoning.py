@@ -14,7 +14,7 @@ a tag split across deltas is held back until it is whole or cannot be one.
 
 from __future__ import annotations
 
-from mlac.errors import MlacError
+from mlac.core.errors import MlacError
 
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1",)

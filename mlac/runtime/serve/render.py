@@ -15,8 +15,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from mlac.runtime.sampling import TokenLogprob
-from mlac.runtime.scheduler import Delta
+from mlac.runtime.engine.sampling import TokenLogprob
+from mlac.runtime.engine.sequence import Delta
 from mlac.runtime.serve.loop import Submission
 from mlac.runtime.serve.protocol import ApiError
 from mlac.runtime.serve.reasoning import DeepSeekR1Parser, split

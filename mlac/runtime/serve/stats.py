@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from mlac.runtime.sampling import SamplingParams
+from mlac.runtime.engine.sampling import SamplingParams
 
 log = logging.getLogger("mlac.server")
 

@@ -9,7 +9,7 @@ forces DeepSeek-V3's tool-call block.
     {function}     yes                yes              one call of that function
     left out       auto when the server has --enable-auto-tool-choice, else none
 
-Forcing is constrained decoding (mlac.runtime.constrain): the request's grammar is the Lark text
+Forcing is constrained decoding (mlac.runtime.engine.constrain): the request's grammar is the Lark text
 of `tool_choice_grammar`, and response_format cannot be given with it.
 """
 
