@@ -27,7 +27,7 @@ def friendly_errors(fn):
             return fn(*args, **kwargs)
         except MlacError as e:
             click.echo(f"error: {e}", err=True)
-            sys.exit(1)
+            sys.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)
@@ -216,8 +216,8 @@ def compile(model_dir, out_dir, fp8, tp, ep, dp_attention, kv_cache_dtype, cuda_
     if then_prepare:
         from mlac.tools.prepare import prepare as run_prepare
 
-        cache = run_prepare(out_dir, device="cuda", log=_log)
-        click.echo(f"prepared {out_dir} for {cache.key}")
+        unit, _ = run_prepare(out_dir, device="cuda", log=_log)
+        click.echo(f"prepared {out_dir} for {unit.key}")
 
 
 @main.command()
@@ -231,15 +231,19 @@ def compile(model_dir, out_dir, fp8, tp, ep, dp_attention, kv_cache_dtype, cuda_
               help="As serve's: the largest prefill warmed up.")  # fmt: skip
 @click.option("--cuda-graph-max-bs", type=click.IntRange(1, 4096), default=256, show_default=True,
               help="As serve's: the largest decode batch captured as a CUDA graph.")  # fmt: skip
+@click.option("--cache-out", type=click.Path(path_type=Path), default=None,
+              help="Write the kernel-cache unit to this folder (new, empty, or a unit: replaced) instead of "
+                   "OUT_DIR/cache/<target>/: a GPU job then publishes megabytes, not the weights.")  # fmt: skip
 @friendly_errors
-def prepare(out_dir, device, dtype, max_running_requests, chunked_prefill_size, cuda_graph_max_bs):
-    """Compile on this GPU every kernel the server meets and add them to the artifact OUT_DIR.
+def prepare(out_dir, device, dtype, max_running_requests, chunked_prefill_size, cuda_graph_max_bs, cache_out):
+    """Compile on this GPU every kernel the server meets, as a kernel-cache unit of the artifact OUT_DIR.
 
     Builds the engine as `mlac serve` does (CUDA graphs for every decode bucket) and warms it up
-    with an empty Triton cache, then stores that cache under OUT_DIR/cache/<target>/, hashed in the
-    manifest with this GPU's signature (name, compute capability, CUDA, driver, torch, triton).
-    Atomic: an interrupted prepare leaves the artifact as it was. A server on a GPU of the same
-    signature then compiles nothing. Preparing a target again replaces its cache.
+    with an empty Triton cache, then stores that cache as a unit: its files hashed in its own
+    unit.json with this GPU's signature (name, compute capability, CUDA, driver, torch, triton),
+    bound to the artifact's identity, under OUT_DIR/cache/<target>/ (or --cache-out). The artifact's
+    manifest and identity do not change. Atomic. A server on a GPU of the same signature then
+    compiles nothing. Preparing a target again replaces its unit.
     """
     from mlac.runtime.worker.device import check_device
     from mlac.tools.prepare import WarmupShapes
@@ -247,8 +251,8 @@ def prepare(out_dir, device, dtype, max_running_requests, chunked_prefill_size, 
 
     shapes = WarmupShapes(dtype=dtype, max_running_requests=max_running_requests,
                           chunked_prefill_size=chunked_prefill_size, cuda_graph_max_bs=cuda_graph_max_bs)  # fmt: skip
-    cache = run_prepare(out_dir, device=check_device(device), shapes=shapes, log=_log)
-    click.echo(f"prepared {out_dir} for {cache.key}: {cache.files} files, {cache.bytes / 1e6:.1f} MB")
+    unit, folder = run_prepare(out_dir, device=check_device(device), shapes=shapes, log=_log, cache_out=cache_out)
+    click.echo(f"prepared {out_dir} for {unit.key}: {len(unit.files)} files, {unit.bytes / 1e6:.1f} MB in {folder}")
 
 
 @main.command()
@@ -258,28 +262,43 @@ def prepare(out_dir, device, dtype, max_running_requests, chunked_prefill_size, 
 def inspect(out_dir, as_json):
     """Show an artifact: identity, model, passes, plan, quantization, buckets and memory plan, sizes, accuracy."""
     from mlac.core.artifact import Manifest
-    from mlac.tools.inspect import describe, describe_identity
+    from mlac.tools.inspect import describe, describe_identity, to_json
 
     manifest = Manifest.load(out_dir)
-    text = manifest.to_json() if as_json else describe_identity(out_dir) + describe(manifest)
+    text = to_json(out_dir, manifest) if as_json else describe_identity(out_dir) + describe(manifest, out_dir)
     click.echo(text, nl=not as_json)
 
 
 @main.command()
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--public-key", type=click.Path(path_type=Path), default=None,
+              help="Also check the artifact's signature (signature.sig.json) with this PEM public key.")  # fmt: skip
 @friendly_errors
-def verify(out_dir):
-    """Check the manifest against its identity (manifest.sha256) and re-hash every file against the
-    manifest; refuse symlinks; name the first thing that differs. Prints the identity."""
-    from mlac.core.artifact import Manifest, check_identity, verify_files
+def verify(out_dir, public_key):
+    """Check the artifact as the loader does and re-hash every file: the manifest against its
+    identity (manifest.sha256), every listed file's size and sha256, every tensor file's header
+    against the manifest, no file that the identity does not cover, every kernel-cache unit bound to
+    this identity with its own files; refuse symlinks; name the first thing that differs. Prints
+    the identity. An artifact pulled with --ranks holds only those rank folders: it verifies, and
+    the ranks held are printed."""
+    from mlac.core.artifact import Manifest
+    from mlac.core.progress import Progress
+    from mlac.core.units import load_unit
+    from mlac.core.validity import check_artifact, present_files, unit_folders
 
     manifest = Manifest.load(out_dir)
-    identity = check_identity(out_dir, manifest)
-    total = sum(f.size for f in manifest.files)
-    with _progress(total, "verifying") as bar:
-        verify_files(out_dir, manifest, progress=bar.update)
+    ranks = [r for r in range(manifest.plan.world_size) if (out_dir / manifest.rank_dir(r)).is_dir()]
+    total = sum(f.size for f in present_files(manifest, ranks))
+    total += sum(load_unit(f).bytes for f in unit_folders(out_dir).values())
+    with Progress(total, "verifying") as bar:
+        checked = check_artifact(out_dir, hashes=True, public_key=public_key, progress=bar.update)
+    files = checked.files()
+    held = "" if checked.whole else f" (ranks {', '.join(map(str, checked.ranks))} of {manifest.plan.world_size})"
+    units = f"; {len(checked.units)} kernel-cache unit(s)" if checked.units else ""
+    signed = f"; signature verified with {public_key}" if public_key else ""
     click.echo(
-        f"ok: {len(manifest.files)} files, {total / 1e9:.3f} GB match the manifest; identity {identity}"
+        f"ok: {len(files)} files, {sum(f.size for f in files) / 1e9:.3f} GB match the manifest{held}{units}{signed}; "
+        f"identity {checked.identity}"
     )
 
 

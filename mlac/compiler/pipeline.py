@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -19,7 +20,8 @@ import torch
 import mlac
 from mlac.compiler.check import accuracy, calibrate
 from mlac.compiler.mtp import compiled_layers, mtp_group, mtp_info
-from mlac.compiler.reader import Checkpoint, read_globals, read_layer
+from mlac.compiler.provenance import SourceHashes, check_origin, provenance
+from mlac.compiler.reader import INDEX, Checkpoint, read_globals, read_layer
 from mlac.compiler.writer import ArtifactWriter
 from mlac.core.artifact import (
     TOKENIZER_DIR,
@@ -126,13 +128,18 @@ def compile_checkpoint(
     progress: Callable[[int], None] | None = None,
     log: Log = lambda msg: None,
     calibration_text: str | Path | None = None,
+    source_repo: str | None = None,
+    source_revision: str | None = None,
 ) -> Manifest:
     """Compile a HF DeepSeek checkpoint into an artifact at out_dir (atomically). With
     `calibration_text` and an FP8 KV cache, the cache's per-layer scales are calibrated on that
     text (calibrate.py) and stored in the manifest; with an unquantized cache there is nothing to
     calibrate (a warning in the log). Either way the accuracy report adds perplexity over the
-    text's tokens (accuracy.py)."""
+    text's tokens (accuracy.py). The manifest's provenance hashes every source file read and names
+    `source_repo` / `source_revision` (else what a Hugging Face cache layout says; provenance.py).
+    `progress(n)` counts source bytes read by the passes and hashed for provenance: 2x the source."""
     options = options or CompileOptions()
+    check_origin(source_repo, source_revision)
     check_out_dir(out_dir)
     if not isinstance(model_dir, Checkpoint):
         check_options(ModelConfig.from_dir(model_dir), options)
@@ -149,22 +156,33 @@ def compile_checkpoint(
         what = "compiled as mtp.*" if options.mtp else "left out (--no-mtp)"
         log(f"source: MTP layer(s) {ckpt.mtp_layers} {what}")
     start = time.perf_counter()
-    with ArtifactWriter(out_dir, world_size=options.tp, source=ckpt.dir, force=force, log=log) as w:
+    tokenizer = [name for name in TOKENIZER_FILES if (ckpt.dir / name).is_file()]
+    with (
+        ArtifactWriter(out_dir, world_size=options.tp, source=ckpt.dir, force=force, log=log) as w,
+        closing(SourceHashes(ckpt.dir, source_files(ckpt) + tokenizer, progress)) as hashes,
+    ):
         for file, ranks in tensor_groups(ckpt, options, progress):
             w.write_group(file, ranks)
-        for name in TOKENIZER_FILES:
-            if (ckpt.dir / name).is_file():
-                w.copy_file(ckpt.dir / name, f"{TOKENIZER_DIR}/{name}")
+        for name in tokenizer:
+            w.copy_file(ckpt.dir / name, f"{TOKENIZER_DIR}/{name}")
         elapsed = time.perf_counter() - start
         log(
             f"wrote {sum(f.size for f in w.files) / 1e9:.2f} GB in {elapsed:.1f} s "
             f"({ckpt.total_bytes / 1e6 / max(elapsed, 1e-9):.0f} MB/s of source)"
         )
         manifest = _manifest(ckpt, options, w)
+        origin = provenance(ckpt.dir, hashes.result(), source_repo, source_revision)
+        manifest = manifest.model_copy(update={"provenance": origin})
         if kv_text is not None:
             manifest = _calibrate_kv(ckpt, options, manifest, kv_text, log)
         report = _accuracy(ckpt, w.root, manifest, log, calibration_text)
         return _commit(w, manifest.model_copy(update={"accuracy": report}))
+
+
+def source_files(ckpt: Checkpoint) -> list[str]:
+    """The checkpoint's files that a compile reads: config, index, weight shards (relative paths)."""
+    index = [INDEX] if ckpt.index_sha256 is not None else []
+    return ["config.json", *index, *ckpt.files]
 
 
 def _commit(w: ArtifactWriter, manifest: Manifest) -> Manifest:

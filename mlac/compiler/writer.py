@@ -20,16 +20,15 @@ from types import TracebackType
 from mlac.core.artifact import (
     IDENTITY,
     MANIFEST,
-    FileEntry,
     Manifest,
     TensorEntry,
     artifact_identity,
-    file_entry,
     identity_record,
     rank_dir,
 )
 from mlac.core.atomic import check_not_source, remove_stale_tmp, tmp_dir
 from mlac.core.errors import MlacError
+from mlac.core.files import FileEntry, file_entry
 from mlac.core.hashing import PIECE_SIZE
 from mlac.core.lazy import LazyTensor
 from mlac.core.safetensors_io import WriteSpec, dtype_name, iter_rows, write_safetensors_lockstep

@@ -6,29 +6,25 @@ Format documentation: artifacts/README.md. JSON Schema: artifacts/manifest.schem
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import re
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from mlac.core.config import ModelConfig
-from mlac.core.errors import MlacError
-from mlac.core.hashing import PIECE_SIZE, FileHashes, hash_file, piece_count
+from mlac.core.errors import IntegrityError, MlacError
+from mlac.core.files import FileEntry, check_inside, check_no_symlinks, sha256_file
+from mlac.core.frozen import Frozen
+from mlac.core.units import CACHE_DIR, KernelCache, cache_path
 
-SCHEMA_VERSION = 2  # what this mlac writes; 2: files may carry piece hashes (FileEntry.pieces)
-READS = (1, 2)  # the schema versions this mlac loads
+# what this mlac writes; 2: files may carry piece hashes (FileEntry.pieces); 3: provenance, and kernel
+# caches as units of their own beside the artifact (core/units.py), no longer in its manifest
+SCHEMA_VERSION = 3
+READS = (1, 2, 3)  # the schema versions this mlac loads
 MANIFEST = "manifest.json"
 IDENTITY = "manifest.sha256"  # the artifact's identity; `sha256sum -c manifest.sha256` checks it too
 TOKENIZER_DIR = "tokenizer"
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class SourceInfo(Frozen):
@@ -41,6 +37,23 @@ class SourceInfo(Frozen):
     dtypes: list[str]  # dtypes of the source weight tensors, sorted
     mtp_layers: list[int] = []  # MTP layers found in the source (V3); Manifest.mtp: which were compiled
     mtp_tensors: int = 0
+
+
+class SourceFile(Frozen):
+    """One file of the source checkpoint, as the compile read it."""
+
+    path: str  # relative to the checkpoint folder, POSIX
+    size: int
+    sha256: str
+
+
+class Provenance(Frozen):
+    """What the artifact was compiled from, and with what (compiler/provenance.py)."""
+
+    repo: str | None = None  # the source's repository id ("deepseek-ai/DeepSeek-V3"), when known
+    revision: str | None = None  # its revision (a commit hash), when known
+    files: list[SourceFile]  # every source file the compile read, sorted by path
+    tools: dict[str, str | None]  # versions: mlac, torch, triton, safetensors, python
 
 
 class MTPInfo(Frozen):
@@ -144,88 +157,13 @@ class TensorEntry(Frozen):
     shape: list[int]
 
 
-class Pieces(Frozen):
-    """A file's bytes cut into pieces [k*size, (k+1)*size) (the last one shorter), with the sha256
-    of each: the loader and `verify` check a file with pieces piece by piece, on several threads."""
-
-    size: int = Field(gt=0)  # bytes per piece (hashing.PIECE_SIZE when written)
-    sha256: list[str]  # one per piece, in file order
-
-
-class FileEntry(Frozen):
-    """One file of the artifact. `sha256` is always the whole file's digest; a file longer than one
-    piece also has `pieces` (schema_version 2), and those are what mlac checks (artifacts/README.md)."""
-
-    path: str  # relative, POSIX
-    size: int
-    sha256: str
-    pieces: Pieces | None = None
-
-    @model_validator(mode="after")
-    def _pieces_tile_the_file(self) -> FileEntry:
-        p = self.pieces
-        if p is not None and (self.size <= p.size or len(p.sha256) != piece_count(self.size, p.size)):
-            raise ValueError(
-                f"{self.path}: {len(p.sha256)} piece hashes for {self.size} bytes in pieces of {p.size} "
-                f"(want {piece_count(self.size, p.size)}, and only for a file longer than one piece)"
-            )
-        return self
-
-    @classmethod
-    def of(cls, path: str, h: FileHashes) -> FileEntry:
-        """The entry of a file with hashes `h` (pieces when it is longer than one piece)."""
-        pieces = Pieces(size=h.piece, sha256=h.pieces) if h.pieces else None
-        return cls(path=path, size=h.size, sha256=h.sha256, pieces=pieces)
-
-    def checks(self) -> list[tuple[int, int, str]]:
-        """(begin, end, sha256) of each byte range that is hashed on its own: every piece, or the
-        whole file as one range. They tile [0, size)."""
-        if self.pieces is None:
-            return [(0, self.size, self.sha256)]
-        step, digests = self.pieces.size, self.pieces.sha256
-        return [
-            (b, min(b + step, self.size), d) for b, d in zip(range(0, self.size, step), digests, strict=True)
-        ]
-
-
-def hash_mismatch(entry: FileEntry, begin: int, end: int) -> str:
-    """The one-line message for a range of `entry` (FileEntry.checks) whose sha256 does not match."""
-    where = "" if entry.pieces is None else f" of bytes [{begin}, {end})"
-    return f"{entry.path}: sha256{where} does not match the manifest (file modified or corrupt)"
-
-
-class TargetSignature(Frozen):
-    """What a compiled kernel depends on: a kernel cache is used only where every field is equal."""
-
-    gpu_name: str  # torch.cuda.get_device_properties().name, e.g. "NVIDIA H200"
-    compute_capability: str  # "9.0"
-    cuda: str | None  # torch.version.cuda
-    driver: str | None  # the NVIDIA driver version (nvidia-smi), None where it could not be read
-    torch: str  # without the local part ("2.11.0", not "2.11.0+cu130")
-    triton: str | None
-
-    def label(self) -> str:
-        """A short name for messages: "sm90/NVIDIA H200/triton 3.6.0"."""
-        return f"sm{self.compute_capability.replace('.', '')}/{self.gpu_name}/triton {self.triton}"
-
-
-class KernelCache(Frozen):
-    """One target's compile caches, added by `mlac prepare`: Triton's cache directory, stored under
-    `path` (cache/<key>/triton); its files are listed (hashed) in Manifest.files like every file."""
-
-    key: str  # target_key(signature): the folder name under cache/
-    signature: TargetSignature
-    path: str  # relative, POSIX: cache/<key>/triton
-    files: int
-    bytes: int
-
-
 class Manifest(Frozen):
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
     mlac_version: str
     torch_version: str
     triton_version: str | None
     source: SourceInfo
+    provenance: Provenance | None = None  # None: compiled before schema 3 recorded it
     model: ModelConfig
     options: CompileOptions
     passes: list[PassRecord]
@@ -238,12 +176,17 @@ class Manifest(Frozen):
     # tensors[rank][name]: every tensor a rank must load, checked strictly at load
     tensors: list[dict[str, TensorEntry]] = Field(min_length=1)
     files: list[FileEntry]
-    caches: list[KernelCache] = []  # compile caches per GPU target, sorted by key (`mlac prepare`)
+    # schema 1-2 only: compile caches per GPU target, listed here (schema 3 keeps them as units, units.py)
+    caches: list[KernelCache] = []
 
     @model_validator(mode="after")
-    def _pieces_need_version_2(self) -> Manifest:
+    def _fields_match_the_version(self) -> Manifest:
         if self.schema_version < 2 and any(f.pieces is not None for f in self.files):
             raise ValueError("piece hashes (files[].pieces) need schema_version 2")
+        if self.schema_version < 3 and self.provenance is not None:
+            raise ValueError("provenance needs schema_version 3")
+        if self.schema_version >= 3 and self.caches:
+            raise ValueError("schema_version 3 keeps kernel caches as units (cache/<key>/unit.json), not in caches")
         return self
 
     def rank_dir(self, rank: int) -> str:
@@ -296,115 +239,7 @@ def rank_dir(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}"
 
 
-def check_inside(rel: str, where: Path) -> None:
-    """Refuse a manifest path that would leave the artifact directory."""
-    p = PurePosixPath(rel)
-    if p.is_absolute() or ".." in p.parts or "\\" in rel or not rel:
-        raise MlacError(f"{where}: file path {rel!r} leaves the artifact directory; refusing to load")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def file_entry(root: Path, rel: str, piece: int = PIECE_SIZE) -> FileEntry:
-    """The manifest entry of the file `root/rel`: its size, sha256 and piece hashes (one read)."""
-    return FileEntry.of(rel, hash_file(root / rel, piece))
-
-
-def verify_files(
-    root: str | Path,
-    manifest: Manifest,
-    progress: Any = None,
-    files: list[FileEntry] | None = None,
-    hashes: bool = True,
-    threads: int | None = None,
-) -> None:
-    """Check every file (or `files`): present with its size; then, with `hashes`, its bytes (the
-    tamper check): each range of FileEntry.checks (the file's pieces, or the whole file) hashed on
-    one of `threads` threads (default: this process's CPUs, at most VERIFY_THREADS). Raise naming
-    the first file (in the manifest's order) that is missing or of another size; else the first
-    whose bytes differ (with the piece's byte range). `progress(n)` is called with the bytes checked."""
-    root = Path(root)
-    entries = manifest.files if files is None else files
-    for entry in entries:
-        check_size(root, entry)
-        if progress is not None and not hashes:
-            progress(entry.size)
-    if not hashes:
-        return
-    ranges = [(entry, begin, end, want) for entry in entries for begin, end, want in entry.checks()]
-    pool = ThreadPoolExecutor(
-        max(1, min(threads or _cpus(), VERIFY_THREADS)), thread_name_prefix="mlac-verify"
-    )
-    try:
-        digests = pool.map(lambda r: sha256_range(root / r[0].path, r[1], r[2]), ranges)
-        for (entry, begin, end, want), digest in zip(ranges, digests, strict=True):
-            if digest != want:
-                raise MlacError(hash_mismatch(entry, begin, end))
-            if progress is not None:
-                progress(end - begin)
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
-VERIFY_THREADS = 16  # sha256 runs at ~1.1 GB/s per core: verify scales with threads up to the disk
-
-
-def check_size(root: Path, entry: FileEntry) -> None:
-    """Raise unless `root/entry.path` is a file of the manifest's size."""
-    path = root / entry.path
-    if not path.is_file():
-        raise MlacError(f"{entry.path}: missing from the artifact")
-    size = path.stat().st_size
-    if size != entry.size:
-        raise MlacError(f"{entry.path}: size {size} does not match the manifest ({entry.size})")
-
-
-def sha256_range(path: Path, begin: int, end: int, chunk: int = 1 << 24) -> str:
-    """The sha256 of bytes [begin, end) of a file (of fewer, if it ends before `end`)."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        f.seek(begin)
-        while begin < end and (block := f.read(min(chunk, end - begin))):
-            h.update(block)
-            begin += len(block)
-    return h.hexdigest()
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 # -- kernel caches: one per GPU target, under cache/<key>/ ------------------------------------------
-
-CACHE_DIR = "cache"
-
-
-def target_key(sig: TargetSignature) -> str:
-    """The folder name of a target's caches: "sm90-nvidia-h200-triton3.6.0-torch2.11.0-cu13.0"
-    (lowercase letters, digits, dots and dashes). The driver is not in it: a target prepared again
-    under another driver replaces its cache."""
-    slug = lambda s: re.sub(r"[^a-z0-9.]+", "-", str(s).lower()).strip("-.") or "none"  # noqa: E731
-    sm = sig.compute_capability.replace(".", "")
-    return f"sm{slug(sm)}-{slug(sig.gpu_name)}-triton{slug(sig.triton)}-torch{slug(sig.torch)}-cu{slug(sig.cuda)}"
-
-
-def cache_path(key: str) -> str:
-    """Where a target's Triton cache lies in the artifact."""
-    return f"{CACHE_DIR}/{key}/triton"
-
-
-def signature_differences(cached: TargetSignature, here: TargetSignature) -> list[tuple[str, Any, Any]]:
-    """(field, value in the cache, value here) for every field that differs, in field order."""
-    fields = TargetSignature.model_fields
-    return [
-        (f, getattr(cached, f), getattr(here, f)) for f in fields if getattr(cached, f) != getattr(here, f)
-    ]
 
 
 def cache_files(manifest: Manifest, cache: KernelCache) -> list[FileEntry]:
@@ -442,7 +277,7 @@ def recorded_identity(root: str | Path) -> str | None:
             text = f.read(200).decode(errors="replace")
     identity = text[:64]
     if text != identity_record(identity) or not all(c in "0123456789abcdef" for c in identity):
-        raise MlacError(f"{path}: malformed (want '<64 hex digits>  {MANIFEST}'); recompile the artifact")
+        raise IntegrityError(f"{path}: malformed (want '<64 hex digits>  {MANIFEST}'); recompile the artifact")
     return identity
 
 
@@ -455,30 +290,14 @@ def check_identity(root: str | Path, manifest: Manifest, required: bool = True) 
     check_no_symlinks(root, [MANIFEST, IDENTITY] + [f.path for f in manifest.files])
     identity, recorded = artifact_identity(root), recorded_identity(root)
     if recorded is None and required:
-        raise MlacError(
+        raise IntegrityError(
             f"{root}: {IDENTITY} not found: the artifact is unfinished (a compile's temporary folder) "
             "or was written by an mlac older than its identity check; recompile it"
         )
     if recorded is not None and recorded != identity:
-        raise MlacError(
+        raise IntegrityError(
             f"{root / MANIFEST}: sha256 {identity[:16]}... does not match {IDENTITY} ({recorded[:16]}...): "
             "the manifest was edited or is corrupt; recompile the artifact"
         )
     return identity
 
-
-def check_no_symlinks(root: Path, rels: list[str]) -> None:
-    """Refuse a path of the artifact that is a symlink, lies under one, or resolves outside `root`
-    (`root` itself may be a symlink: the artifact is what it points to)."""
-    top = root.resolve()
-    for rel in rels:
-        check_inside(rel, root / MANIFEST)
-        parts = PurePosixPath(rel).parts
-        for i in range(1, len(parts) + 1):
-            if (top.joinpath(*parts[:i])).is_symlink():
-                raise MlacError(
-                    f"{root / '/'.join(parts[:i])}: is a symlink; an artifact must hold its own files "
-                    "(replace the link by the file, or recompile)"
-                )
-        if not top.joinpath(*parts).resolve().is_relative_to(top):
-            raise MlacError(f"{rel}: resolves outside the artifact directory; refusing it")

@@ -1,7 +1,9 @@
-"""Human-readable summary of an artifact's manifest (`mlac inspect`)."""
+"""`mlac inspect`: an artifact's manifest, identity, provenance, kernel-cache units and signature,
+as text or (--json) as the manifest with those added."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -9,11 +11,13 @@ from mlac.core.artifact import (
     IDENTITY,
     AccuracyReport,
     BucketPlan,
-    KernelCache,
     Manifest,
     artifact_identity,
     recorded_identity,
 )
+from mlac.core.signing import SIGNATURE, UNIT_SIGNATURE, Signed, signer_hint
+from mlac.core.units import KernelCache, UnitManifest, load_unit
+from mlac.core.validity import unit_folders
 
 
 def _gb(n: int) -> str:
@@ -53,6 +57,60 @@ def _caches(caches: list[KernelCache]) -> list[str]:
     ]
 
 
+def units(root: Path) -> dict[str, UnitManifest]:
+    """The kernel-cache units beside the artifact (their files are checked by `verify`)."""
+    return {key: load_unit(folder) for key, folder in unit_folders(root).items()}
+
+
+def _units(root: Path, held: dict[str, UnitManifest]) -> list[str]:
+    lines = []
+    for key, u in held.items():
+        s = u.signature
+        signed = " signed" if (root / "cache" / key / UNIT_SIGNATURE).is_file() else ""
+        lines.append(
+            f"kernel cache  {key}: {s.gpu_name}, sm {s.compute_capability}, CUDA {s.cuda}, driver {s.driver}, "
+            f"torch {s.torch}, triton {s.triton}; {len(u.files)} files, {_gb(u.bytes)}{signed} (unit)"
+        )
+    return lines
+
+
+def _provenance(m: Manifest) -> list[str]:
+    p = m.provenance
+    if p is None:
+        return ["provenance    none (compiled before manifests recorded it)"]
+    origin = f"{p.repo or 'unknown repository'} @ {p.revision or 'unknown revision'}"
+    tools = ", ".join(f"{k} {v}" for k, v in sorted(p.tools.items()))
+    size = sum(f.size for f in p.files)
+    return [
+        f"provenance    {origin}; {len(p.files)} source files, {_gb(size)} hashed",
+        f"compiled by   {tools}",
+    ]
+
+
+def _signature(root: Path) -> str:
+    hint = signer_hint(Signed(root, {}, SIGNATURE)) if (root / SIGNATURE).is_file() else None
+    if hint is None:
+        return "signature     none (`mlac sign` adds one)"
+    return f"signature     {SIGNATURE}, key sha256 {hint[:16]}... (`mlac verify --public-key` checks it)"
+
+
+def to_json(root: str | Path, m: Manifest) -> str:
+    """The manifest, with the identity, the units beside it and the signature's key added."""
+    root = Path(root)
+    held = units(root)
+    record = m.model_dump(mode="json") | {
+        "identity": artifact_identity(root),
+        "units": [
+            {"key": k, "signature": u.signature.model_dump(mode="json"), "files": len(u.files), "bytes": u.bytes,
+             "base_identity": u.base_identity, "signed": (root / "cache" / k / UNIT_SIGNATURE).is_file()}
+            for k, u in held.items()
+        ],
+        "signature": {"file": SIGNATURE, "key_sha256": signer_hint(Signed(root, {}, SIGNATURE))}
+        if (root / SIGNATURE).is_file() else None,
+    }  # fmt: skip
+    return json.dumps(record, indent=2, sort_keys=True) + "\n"
+
+
 def describe_identity(root: str | Path) -> str:
     """The identity line: the manifest's sha256, and whether manifest.sha256 records the same
     (inspect shows a damaged artifact; `verify` and the loader refuse it)."""
@@ -76,7 +134,7 @@ def _kv_scales(m: Manifest) -> str:
     return f", per-layer scales {min(q.kv_scales):.3e}..{max(q.kv_scales):.3e}{on}"
 
 
-def describe(m: Manifest) -> str:
+def describe(m: Manifest, root: str | Path | None = None) -> str:
     cfg = m.model
     routing = "dense"
     if cfg.n_routed_experts:
@@ -100,8 +158,13 @@ def describe(m: Manifest) -> str:
         f"kv cache      {m.options.kv_cache_dtype}" + _kv_scales(m),
         f"versions      mlac {m.mlac_version}, torch {m.torch_version}, triton {m.triton_version}",
     ]  # fmt: skip
+    lines += _provenance(m)
     lines += _buckets(m.buckets)
-    lines += _caches(m.caches)
+    held = units(Path(root)) if root is not None else {}
+    lines += _caches(m.caches) if m.caches or not held else []
+    lines += _units(Path(root), held) if root is not None else []
+    if root is not None:
+        lines.append(_signature(Path(root)))
     sizes: dict[str, int] = defaultdict(int)
     for f in m.files:
         sizes[f.path.split("/")[0]] += f.size

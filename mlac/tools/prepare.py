@@ -1,19 +1,20 @@
-"""`mlac prepare`: add this GPU's compile caches to an existing artifact, atomically.
+"""`mlac prepare`: compile this GPU's kernels for an artifact, as a unit of their own.
 
 On a GPU, the artifact's engine is built as the server builds it (CUDA graphs captured for every
 decode bucket) and warmed up (Engine.warmup: the prefill and decode shapes), with Triton's cache
 directory pointed at a fresh empty one: every kernel variant the server meets is compiled there.
-That directory becomes cache/<key>/triton/ of the artifact (artifact.target_key), its files hashed
-into manifest.files and the target recorded in manifest.caches (artifact.KernelCache). Preparing
-a target again replaces its cache; the other targets' caches stay.
+That directory becomes a kernel-cache unit (core/units.py): `triton/` with a `unit.json` that lists
+every file with its sha256, names the GPU's target signature and binds the unit to the artifact's
+identity. The artifact itself is not changed: its manifest, identity and signature stay as they
+were compiled. The unit goes to `cache/<key>/` inside the artifact, or with `cache_out` to a
+folder of its own (a GPU job then publishes megabytes, not the weights). Preparing a target again
+replaces its unit.
 
-Atomic: the cache is built in `.cache.tmp-<pid>/` and the new manifest in `manifest.json.tmp-<pid>`
-(both fsynced) while the artifact is untouched; an exception or kill there leaves the artifact as it
-was, and the next prepare removes the dead process's folder. Then the folder is renamed into place
-(the target's old cache renamed aside first), manifest.json replaced, and manifest.sha256 last.
-NOTE: a kill between those renames (milliseconds) leaves an artifact that `verify` refuses; prepare
-it again. NOTE: a kernel that this process compiled before `prepare` (held in Triton's memory) is
-not written to the fresh directory: run prepare in a process that has run no Triton kernel (the
+Atomic: the unit is built in a temporary folder beside its destination's parent (`.<name>.tmp-<pid>`,
+outside the artifact), fsynced, then renamed into place (an older unit renamed aside first). A prepare
+killed outright leaves that folder, which the next prepare to the same place removes once its
+process is gone. NOTE: a kernel that this process compiled before `prepare` (held in Triton's memory)
+is not written to the fresh directory: run prepare in a process that has run no Triton kernel (the
 CLI does; `compile --prepare` compiles on the CPU first).
 """
 
@@ -27,21 +28,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlac.core.artifact import (
-    CACHE_DIR,
-    IDENTITY,
-    MANIFEST,
-    FileEntry,
-    KernelCache,
-    Manifest,
-    cache_path,
-    check_identity,
-    identity_record,
-    sha256_file,
-    target_key,
-)
+import mlac
 from mlac.core.atomic import remove_stale_tmp, tmp_dir
 from mlac.core.errors import MlacError
+from mlac.core.files import FileEntry, sha256_file
+from mlac.core.units import (
+    CACHE_DIR,
+    TRITON_DIR,
+    UNIT_IDENTITY,
+    UNIT_MANIFEST,
+    UnitManifest,
+    target_key,
+    unit_identity,
+    unit_identity_record,
+)
+from mlac.core.validity import check_artifact
 from mlac.runtime.worker.kernel_cache import is_group, portable_group, triton_cache_dir
 from mlac.runtime.worker.target import current_target
 
@@ -86,22 +87,26 @@ def prepare(
     shapes: WarmupShapes | None = None,
     log: Log = lambda msg: None,
     warm: Callable[[Path, str, Path, WarmupShapes], None] | None = None,
-) -> KernelCache:
-    """Compile every kernel the server meets on `device` into the artifact at `root` (module
-    docstring); return the cache's manifest entry. MlacError: not an artifact, or no GPU."""
+    cache_out: str | Path | None = None,
+) -> tuple[UnitManifest, Path]:
+    """Compile every kernel the server meets on `device` for the artifact at `root` into a unit
+    (module docstring) at `cache_out`, else at root/cache/<key>; return it and its folder.
+    MlacError: not an artifact, no GPU, or a `cache_out` that holds something else than a unit."""
     root = Path(root)
-    manifest = Manifest.load(root)
-    check_identity(root, manifest)
+    identity = check_artifact(root, hashes=False).identity  # the weights are hashed as they load
     target = current_target(device)
     if target is None:
         raise MlacError(
             f"prepare needs a CUDA GPU (device {device!r}): the caches are compiled for the GPU it runs on"
         )
     key = target_key(target)
-    (root / CACHE_DIR).mkdir(exist_ok=True)
-    for stale in remove_stale_tmp(root / CACHE_DIR) + remove_stale_tmp(root / CACHE_DIR / key):
+    dest = Path(cache_out) if cache_out is not None else root / CACHE_DIR / key
+    check_destination(dest)
+    spot = dest if cache_out is not None else root.parent / f"{root.name}.{key}"  # temporaries: beside it
+    spot.parent.mkdir(parents=True, exist_ok=True)
+    for stale in remove_stale_tmp(spot) + remove_stale_tmp(spot.with_name(spot.name + ".old")):
         log(f"removed {stale}: the temporary folder of a prepare that no longer runs")
-    tmp = tmp_dir(root / CACHE_DIR, os.getpid())  # .cache.tmp-<pid>, beside cache/
+    tmp = tmp_dir(spot, os.getpid())
     try:
         with (
             tempfile.TemporaryDirectory(prefix="mlac-prepare-") as compiled,
@@ -109,14 +114,37 @@ def prepare(
         ):
             log(f"compiling the kernels of {target.label()} (CUDA graphs, warm-up) ...")
             (warm or warm_kernels)(root, device, Path(compiled), shapes or WarmupShapes())
-            files = store_cache(Path(compiled), tmp / "triton", cache_path(key))
-        cache = KernelCache(key=key, signature=target, path=cache_path(key), files=len(files),
-                            bytes=sum(f.size for f in files))  # fmt: skip
-        commit(root, with_cache(manifest, cache, files), tmp, key)
+            files = store_cache(Path(compiled), tmp / TRITON_DIR, TRITON_DIR)
+        unit = UnitManifest(base_identity=identity, key=key, signature=target, mlac_version=mlac.__version__,
+                            files=files)  # fmt: skip
+        _write_synced(tmp / UNIT_MANIFEST, unit.to_json().encode())
+        _write_synced(tmp / UNIT_IDENTITY, unit_identity_record(unit_identity(tmp)).encode())
+        replace_folder(tmp, dest, spot)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"kernel cache {key}: {cache.files} files, {cache.bytes / 1e6:.1f} MB")
-    return cache
+    log(f"kernel cache {key}: {len(unit.files)} files, {unit.bytes / 1e6:.1f} MB in {dest}")
+    return unit, dest
+
+
+def check_destination(dest: Path) -> None:
+    """A unit's destination must be absent, an empty folder, or a unit (replaced)."""
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise MlacError(f"{dest}: exists and is not a folder; give --cache-out a new or empty folder")
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / UNIT_MANIFEST).is_file():
+        raise MlacError(
+            f"{dest}: exists and is not a kernel-cache unit; give --cache-out a new or empty folder"
+        )
+
+
+def replace_folder(tmp: Path, dest: Path, spot: Path) -> None:
+    """Put the finished folder `tmp` at `dest`, an older `dest` renamed aside first and then removed."""
+    old = tmp_dir(spot.with_name(spot.name + ".old"), os.getpid())
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():
+        dest.rename(old)
+    tmp.rename(dest)
+    _fsync_dir(dest.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def store_cache(src: Path, dst: Path, rel: str) -> list[FileEntry]:
@@ -137,36 +165,6 @@ def store_cache(src: Path, dst: Path, rel: str) -> list[FileEntry]:
     if not files:
         raise MlacError("the warm-up compiled no Triton kernel: nothing to store (is the device a GPU?)")
     return files
-
-
-def with_cache(manifest: Manifest, cache: KernelCache, files: list[FileEntry]) -> Manifest:
-    """The manifest with `cache` (and its files) in place of any earlier cache of the same key."""
-    kept_files = [f for f in manifest.files if not f.path.startswith(f"{CACHE_DIR}/{cache.key}/")]
-    caches = sorted([c for c in manifest.caches if c.key != cache.key] + [cache], key=lambda c: c.key)
-    return manifest.model_copy(update={"files": kept_files + files, "caches": caches})
-
-
-def commit(root: Path, manifest: Manifest, tmp: Path, key: str) -> None:
-    """Write the new manifest aside, put the cache folder `tmp` in place of cache/<key>, then replace
-    manifest.json and, last, manifest.sha256 (module docstring)."""
-    pid = os.getpid()
-    new_manifest, new_identity = root / f"{MANIFEST}.tmp-{pid}", root / f"{IDENTITY}.tmp-{pid}"
-    try:
-        text = manifest.to_json()
-        _write_synced(new_manifest, text.encode())
-        _write_synced(new_identity, identity_record(sha256_file(new_manifest)).encode())
-        final = root / CACHE_DIR / key
-        old = tmp_dir(final, pid)  # cache/.<key>.tmp-<pid>: a later prepare removes it if left
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        os.replace(new_manifest, root / MANIFEST)
-        os.replace(new_identity, root / IDENTITY)
-        _fsync_dir(root)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        new_manifest.unlink(missing_ok=True)
-        new_identity.unlink(missing_ok=True)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

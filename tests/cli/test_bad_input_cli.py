@@ -112,8 +112,8 @@ def tp2_artifact(checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-def assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+def assert_one_line(proc: subprocess.CompletedProcess, *needles: str, code: int = 1) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -127,7 +127,7 @@ def test_missing_rank_folder_is_one_line_from_one_process(tp2_artifact, tmp_path
     shutil.rmtree(path / "rank-00001-of-00002")
     before = snapshot(path)
     proc = run_process("generate", str(path), "--prompt", "hi", "--max-tokens", "1")
-    assert_one_line(proc, "rank folder rank-00001-of-00002/ is missing")
+    assert_one_line(proc, "rank folder rank-00001-of-00002/ is missing", code=3)
     assert snapshot(path) == before
 
 

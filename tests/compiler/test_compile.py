@@ -69,7 +69,7 @@ def test_verify_and_inspect(artifact, tmp_path):
     for needle in ("deepseek_v2", "group_limited_greedy", "passes", "rank-00000-of-00001", "accuracy"):
         assert needle in r.output
     r = invoke("inspect", root, "--json")
-    assert json.loads(r.output)["schema_version"] == 2
+    assert json.loads(r.output)["schema_version"] == 3
 
 
 def test_verify_names_the_tampered_file(artifact, tmp_path):
@@ -80,7 +80,7 @@ def test_verify_names_the_tampered_file(artifact, tmp_path):
     data[-3] ^= 0xFF
     victim.write_bytes(bytes(data))
     r = invoke("verify", root)
-    assert r.exit_code == 1
+    assert r.exit_code == 3  # an integrity failure
     assert r.output.strip().splitlines()[-1] == (
         "error: rank-00000-of-00001/layer-00001.safetensors: sha256 does not match the manifest (file modified or corrupt)"
     )
@@ -166,6 +166,6 @@ def test_generate_refuses_a_tampered_artifact(artifact, tmp_path):
     data[-1] ^= 1
     victim.write_bytes(bytes(data))
     r = invoke("generate", root, "--prompt", "hi")
-    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.exit_code == 3 and "Traceback" not in r.output
     last = r.output.strip().splitlines()[-1]
     assert last.startswith("error: ") and "head.safetensors" in last and "sha256" in last

@@ -58,7 +58,7 @@ def test_an_edited_manifest_is_refused_by_verify_and_load(art, field, value):
     edit_model(art, **{field: value})
     Manifest.load(art)  # still a valid manifest: only the identity catches the edit
     one_line_error(
-        invoke("verify", art), "manifest.json: sha256", "does not match manifest.sha256", "recompile"
+        invoke("verify", art), "manifest.json: sha256", "does not match manifest.sha256", "recompile", code=3
     )
     with pytest.raises(MlacError, match="does not match manifest.sha256.*recompile") as e:
         Engine.from_artifact(art, num_blocks=8)
@@ -71,12 +71,12 @@ def test_an_edited_manifest_is_refused_by_verify_and_load(art, field, value):
 def test_a_reformatted_manifest_is_an_edit_too(art):
     """The identity is the manifest's bytes: no canonicalisation that an edit could hide behind."""
     (art / MANIFEST).write_text(json.dumps(json.loads((art / MANIFEST).read_text())))
-    one_line_error(invoke("verify", art), "does not match manifest.sha256")
+    one_line_error(invoke("verify", art), "does not match manifest.sha256", code=3)
 
 
 def test_an_artifact_without_identity_is_refused_unless_unverified(art):
     (art / IDENTITY).unlink()
-    one_line_error(invoke("verify", art), "manifest.sha256 not found", "unfinished", "recompile")
+    one_line_error(invoke("verify", art), "manifest.sha256 not found", "unfinished", "recompile", code=3)
     with pytest.raises(MlacError, match="manifest.sha256 not found"):
         load_artifact(art)
     assert load_artifact(art, verify=False).tensors  # compile's own accuracy check loads it so
@@ -88,7 +88,7 @@ def test_an_artifact_without_identity_is_refused_unless_unverified(art):
 )
 def test_a_malformed_identity_is_refused(art, text):
     (art / IDENTITY).write_text(text)
-    one_line_error(invoke("verify", art), "manifest.sha256: malformed")
+    one_line_error(invoke("verify", art), "manifest.sha256: malformed", code=3)
 
 
 def test_a_file_replaced_by_a_symlink_to_an_identical_file_outside_is_refused(art, tmp_path):
@@ -96,7 +96,7 @@ def test_a_file_replaced_by_a_symlink_to_an_identical_file_outside_is_refused(ar
     shutil.copyfile(art / LAYER, outside)
     (art / LAYER).unlink()
     (art / LAYER).symlink_to(outside)
-    one_line_error(invoke("verify", art), "layer-00001.safetensors: is a symlink")
+    one_line_error(invoke("verify", art), "layer-00001.safetensors: is a symlink", code=3)
     with pytest.raises(MlacError, match="is a symlink"):
         load_artifact(art, verify=False)
 
@@ -105,7 +105,7 @@ def test_a_rank_folder_that_is_a_symlink_is_refused(art, tmp_path):
     rank = art / "rank-00000-of-00001"
     shutil.move(rank, tmp_path / "elsewhere")
     rank.symlink_to(tmp_path / "elsewhere")
-    one_line_error(invoke("verify", art), "rank-00000-of-00001: is a symlink")
+    one_line_error(invoke("verify", art), "rank-00000-of-00001: is a symlink", code=3)
     with pytest.raises(MlacError, match="is a symlink"):
         Engine.from_artifact(art, num_blocks=8)
 
@@ -113,7 +113,7 @@ def test_a_rank_folder_that_is_a_symlink_is_refused(art, tmp_path):
 def test_a_symlinked_manifest_is_refused(art, tmp_path):
     shutil.move(art / MANIFEST, tmp_path / MANIFEST)
     (art / MANIFEST).symlink_to(tmp_path / MANIFEST)
-    one_line_error(invoke("verify", art), "manifest.json: is a symlink")
+    one_line_error(invoke("verify", art), "manifest.json: is a symlink", code=3)
 
 
 def test_the_artifact_folder_itself_may_be_a_symlink(art, tmp_path):
@@ -160,7 +160,7 @@ def test_a_compile_killed_before_its_identity_leaves_a_folder_that_never_verifie
     assert p.returncode == -9
     (tmp,) = [d for d in tmp_path.iterdir() if d.name.startswith(".out.tmp-")]
     assert tmp.name == f".out.tmp-{p.pid}" and (tmp / MANIFEST).is_file() and not out.exists()
-    one_line_error(invoke("verify", tmp), "manifest.sha256 not found", "unfinished")
+    one_line_error(invoke("verify", tmp), "manifest.sha256 not found", "unfinished", code=3)
     r = invoke("compile", checkpoint("tiny-v2-lite"), out, "--skip-accuracy-check")
     assert r.exit_code == 0, r.output
     assert f"removed {tmp}: the temporary folder of a compile that no longer runs" in r.output

@@ -1,4 +1,4 @@
-"""Kernel caches inside the artifact (`mlac prepare`), their target signature, and their use at start.
+"""Kernel-cache units (`mlac prepare`), their target signature, and their use at start.
 
 On CPU a GPU target is simulated: `current_target` returns a fixed signature, and the warm-up that
 `prepare` runs writes Triton cache files into the directory it is given (fake files, or a real
@@ -22,8 +22,11 @@ from _paths import REPO
 
 import mlac.runtime.worker.kernel_cache as kc
 import mlac.tools.prepare as prep
-from mlac.core.artifact import IDENTITY, MANIFEST, Manifest, TargetSignature, check_identity, target_key
-from mlac.core.errors import MlacError
+from mlac.core.artifact import IDENTITY, MANIFEST, Manifest, artifact_identity, identity_record
+from mlac.core.errors import IntegrityError, MlacError, TargetMismatch
+from mlac.core.files import file_entry
+from mlac.core.units import UNIT_IDENTITY, UNIT_MANIFEST, TargetSignature, load_unit, target_key
+from mlac.core.validity import check_artifact
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.serve import ServerConfig, load_engine
 
@@ -70,8 +73,32 @@ def fake_warm(version: bytes = b"v1"):
     return warm
 
 
+def unit_dir(root: Path, key: str = KEY) -> Path:
+    return root / "cache" / key
+
+
 def cache_file(root: Path, name: str = "k.cubin", key: str = KEY) -> Path:
-    return root / "cache" / key / "triton" / KERNEL / name
+    return unit_dir(root, key) / "triton" / KERNEL / name
+
+
+def use(art: Path, mode="use", **kw):
+    return kc.use_kernel_cache(check_artifact(art, hashes=False), "cuda", mode=mode, **kw)
+
+
+def legacy_prepared(art: Path) -> Path:
+    """The artifact as a prepare of schema 2 left it: the unit's files listed in the manifest under
+    cache/<key>/triton, the target in `caches`, the identity recomputed (prepare changed it then)."""
+    unit = load_unit(unit_dir(art))
+    shutil.rmtree(unit_dir(art))
+    m = json.loads((art / MANIFEST).read_text())
+    m["schema_version"] = 2
+    m.pop("provenance")
+    for f in unit.files:
+        (art / "cache" / KEY / f.path).parent.mkdir(parents=True, exist_ok=True)
+        m["files"].append({"path": f"cache/{KEY}/{f.path}", "size": f.size, "sha256": f.sha256})
+    m["caches"] = [{"key": KEY, "signature": unit.signature.model_dump(mode="json"), "path": f"cache/{KEY}/triton",
+                    "files": len(unit.files), "bytes": unit.bytes}]  # fmt: skip
+    return m
 
 
 # ---- the signature and the manifest ----------------------------------------------------------
@@ -87,11 +114,15 @@ def test_target_key_names_arch_gpu_and_versions():
 
 def test_manifest_without_caches_loads_and_bad_cache_path_is_refused(art):
     raw = json.loads((art / MANIFEST).read_text())
-    assert raw.pop("caches") == []
+    assert "caches" not in raw or raw.pop("caches") == []
     assert Manifest.model_validate(raw).caches == []  # manifests written before prepare existed
     cache = dict(key=KEY, signature=SIG.model_dump(), path="rank-00000-of-00001", files=0, bytes=0)
-    (art / MANIFEST).write_text(json.dumps({**raw, "caches": [cache]}))
+    raw.pop("provenance")
+    (art / MANIFEST).write_text(json.dumps({**raw, "schema_version": 2, "caches": [cache]}))
     with pytest.raises(MlacError, match="kernel cache .* not cache/<key>/triton"):
+        Manifest.load(art)
+    (art / MANIFEST).write_text(json.dumps({**raw, "schema_version": 3, "caches": [cache]}))
+    with pytest.raises(MlacError, match="schema_version 3 keeps kernel caches as units"):
         Manifest.load(art)
 
 
@@ -104,51 +135,76 @@ def test_current_target_is_none_on_cpu():
 # ---- prepare ------------------------------------------------------------------------------------
 
 
-def test_prepare_adds_the_cache_hashed_in_the_manifest(art, on_gpu):
-    before = Manifest.load(art)
-    cache = prep.prepare(art, warm=fake_warm())
-    m = Manifest.load(art)
-    assert m.caches == [cache] and cache.key == KEY and cache.signature == SIG
-    assert cache.path == f"cache/{KEY}/triton" and cache.files == 3
-    added = {f.path for f in m.files} - {f.path for f in before.files}
-    assert added == {f"{cache.path}/{KERNEL}/{n}" for n in ("k.cubin", "k.json", "__grp__k.json")}
-    assert cache.bytes == sum(f.size for f in m.files if f.path in added)
+def test_prepare_writes_a_unit_and_leaves_the_identity_unchanged(art, on_gpu):
+    before = {n: (art / n).read_bytes() for n in (MANIFEST, IDENTITY)}
+    unit, folder = prep.prepare(art, warm=fake_warm())
+    assert {n: (art / n).read_bytes() for n in before} == before  # the artifact's identity: unchanged
+    assert folder == unit_dir(art) and unit.key == KEY and unit.signature == SIG
+    assert unit.base_identity == artifact_identity(art) and load_unit(folder) == unit
+    assert {f.path for f in unit.files} == {
+        f"triton/{KERNEL}/{n}" for n in ("k.cubin", "k.json", "__grp__k.json")
+    }
+    assert all(file_entry(folder, f.path) == f for f in unit.files)  # sizes and sha256 as listed
     assert not (cache_file(art).parent / "tmp.pid_1_x").exists()  # Triton's unfinished writes left out
     group = json.loads(cache_file(art, "__grp__k.json").read_text())
     assert group["child_paths"] == {"k.cubin": f"{KERNEL}/k.cubin", "k.json": f"{KERNEL}/k.json"}
-    check_identity(art, m)
     r = invoke("verify", art)
-    assert r.exit_code == 0, r.output
-    assert f"ok: {len(before.files) + 3} files" in r.output
-    assert not list(art.glob(".*")) and not list((art / "cache").glob(".*"))  # no temporary folder left
+    assert r.exit_code == 0 and "1 kernel-cache unit(s)" in r.output, r.output
+    assert not list(art.glob(".*")) and not list(art.parent.glob(".*"))  # no temporary folder left
+    assert check_artifact(art).units == {KEY: unit}
 
 
-def test_verify_and_the_loader_refuse_a_tampered_cache_file(art, on_gpu):
+def test_prepare_cache_out_writes_only_the_unit(art, on_gpu, tmp_path):
+    out = tmp_path / "unit"
+    unit, folder = prep.prepare(art, warm=fake_warm(), cache_out=out)
+    assert folder == out and not (art / "cache").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([UNIT_MANIFEST, UNIT_IDENTITY, "triton"])
+    assert load_unit(out).base_identity == artifact_identity(art)
+    shutil.copytree(out, unit_dir(art))  # dropped beside the artifact, it is used
+    assert check_artifact(art).units[KEY] == unit
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(MlacError, match="exists and is not a kernel-cache unit"):
+        prep.prepare(art, warm=fake_warm(), cache_out=tmp_path / "other")
+
+
+def test_verify_and_the_loader_refuse_a_tampered_unit_file(art, on_gpu):
     prep.prepare(art, warm=fake_warm())
     f = cache_file(art)
     f.write_bytes(f.read_bytes()[:-1] + b"X")  # same size, other bytes
     rel = f.relative_to(art).as_posix()
-    one_line_error(invoke("verify", art), rel, "sha256")
-    with pytest.raises(MlacError, match=f"{rel}: sha256 does not match"):
-        kc.use_kernel_cache(art, Manifest.load(art), "cuda")
-    on_gpu(None)  # on CPU too, rank 0's load hashes every shared file, caches included
-    with pytest.raises(MlacError, match=f"{rel}: sha256 does not match"):
-        Engine.from_artifact(art)
+    one_line_error(invoke("verify", art), rel, "sha256", code=3)  # an integrity failure
+    with pytest.raises(IntegrityError, match=f"{rel}: sha256 does not match"):
+        use(art)
 
 
-def test_prepare_twice_replaces_that_targets_cache_and_keeps_the_others(art, on_gpu):
+def test_a_unit_of_another_artifact_or_an_unlisted_file_is_refused(art, on_gpu, tmp_path, artifact):
+    other = Path(shutil.copytree(artifact("tiny-v2"), tmp_path / "other"))
+    prep.prepare(other, warm=fake_warm())
+    shutil.copytree(unit_dir(other), unit_dir(art))
+    for check in (lambda: check_artifact(art), lambda: Engine.from_artifact(art, num_blocks=4)):
+        with pytest.raises(IntegrityError, match="a kernel-cache unit of artifact .* not of this one"):
+            check()
+    shutil.rmtree(unit_dir(art))
+    prep.prepare(art, warm=fake_warm())
+    (unit_dir(art) / "triton" / "extra.cubin").write_bytes(b"injected")
+    with pytest.raises(IntegrityError, match="extra.cubin: not part of the artifact"):
+        check_artifact(art, hashes=False)
+
+
+def test_prepare_twice_replaces_that_targets_unit_and_keeps_the_others(art, on_gpu):
     prep.prepare(art, warm=fake_warm(b"v1"))
     a100 = SIG.model_copy(update={"gpu_name": "NVIDIA A100", "compute_capability": "8.0"})
     on_gpu(a100)
     prep.prepare(art, warm=fake_warm(b"a100"))
     on_gpu(SIG)
     prep.prepare(art, warm=fake_warm(b"v2"))
-    m = Manifest.load(art)
-    assert [c.key for c in m.caches] == sorted([KEY, target_key(a100)])
+    assert sorted(check_artifact(art).units) == sorted([KEY, target_key(a100)])
     assert cache_file(art).read_bytes().endswith(b"v2")
     assert cache_file(art, key=target_key(a100)).read_bytes().endswith(b"a100")
-    assert sum(f.path.startswith(f"cache/{KEY}/") for f in m.files) == 3  # v1's entries replaced
+    assert len(load_unit(unit_dir(art)).files) == 3  # v1's entries replaced
     assert invoke("verify", art).exit_code == 0
+    assert not list(art.parent.glob(".*"))
 
 
 def test_an_interrupted_prepare_leaves_the_artifact_as_it_was(art, on_gpu, monkeypatch):
@@ -157,18 +213,18 @@ def test_an_interrupted_prepare_leaves_the_artifact_as_it_was(art, on_gpu, monke
     def crash(*args):
         raise RuntimeError("killed after the cache copy")
 
-    monkeypatch.setattr(prep, "with_cache", crash)
+    monkeypatch.setattr(prep, "replace_folder", crash)
     with pytest.raises(RuntimeError, match="killed"):
         prep.prepare(art, warm=fake_warm())
     assert {n: (art / n).read_bytes() for n in before} == before
-    assert not (art / "cache" / KEY).exists() and not list(art.glob(".cache.tmp-*"))
+    assert not unit_dir(art).exists() and not list(art.parent.glob(".*tmp-*"))
     assert invoke("verify", art).exit_code == 0
 
 
 def test_the_next_prepare_removes_a_dead_prepares_folder(art, on_gpu):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = art / f".cache.tmp-{dead.pid}"
+    stale = art.parent / f".{art.name}.{KEY}.tmp-{dead.pid}"
     (stale / "triton").mkdir(parents=True)
     logged = []
     prep.prepare(art, warm=fake_warm(), log=logged.append)
@@ -193,14 +249,16 @@ def test_inspect_lists_the_targets(art, on_gpu):
         f"kernel cache  {KEY}: NVIDIA H200, sm 9.0, CUDA 13.0, driver 580.65.06, torch 2.11.0, triton 3.6.0"
         in out
     )
+    record = json.loads(invoke("inspect", art, "--json").output)
+    assert record["identity"] == artifact_identity(art) and record["units"][0]["key"] == KEY
 
 
 # ---- use at start -------------------------------------------------------------------------------
 
 
-def test_the_matching_cache_is_copied_and_triton_pointed_at_it(art, on_gpu):
+def test_the_matching_unit_is_copied_and_triton_pointed_at_it(art, on_gpu):
     prep.prepare(art, warm=fake_warm())
-    dest = kc.use_kernel_cache(art, Manifest.load(art), "cuda")
+    dest = use(art)
     assert dest is not None and os.environ[kc.TRITON_CACHE_ENV] == str(dest)
     assert (dest / KERNEL / "k.cubin").read_bytes() == cache_file(art).read_bytes()
     group = json.loads((dest / KERNEL / "__grp__k.json").read_text())
@@ -209,11 +267,32 @@ def test_the_matching_cache_is_copied_and_triton_pointed_at_it(art, on_gpu):
     )  # absolute again, as Triton reads
 
 
+def test_an_artifact_prepared_the_old_way_still_loads_its_cache(art, on_gpu):
+    prep.prepare(art, warm=fake_warm())
+    data = cache_file(art).read_bytes()
+    m = legacy_prepared(art)
+    for f in m["files"][-3:]:
+        (art / f["path"]).write_bytes(data if f["path"].endswith("k.cubin") else b"")
+    cubin = next(f for f in m["files"] if f["path"].endswith("k.cubin"))
+    group = {"child_paths": {"k.cubin": f"{KERNEL}/k.cubin", "k.json": f"{KERNEL}/k.json"}}
+    payloads = {"k.cubin": data, "k.json": b"{}", "__grp__k.json": json.dumps(group).encode()}
+    for f in m["files"][-3:]:
+        name = f["path"].rsplit("/", 1)[1]
+        (art / f["path"]).write_bytes(payloads[name])
+        f.update(size=len(payloads[name]), sha256=file_entry(art, f["path"]).sha256)
+    assert cubin["size"] == len(data)
+    (art / MANIFEST).write_text(json.dumps(m, indent=2, sort_keys=True))
+    (art / IDENTITY).write_text(identity_record(artifact_identity(art)))
+    assert Manifest.load(art).schema_version == 2 and invoke("verify", art).exit_code == 0
+    dest = use(art)
+    assert dest is not None and (dest / KERNEL / "k.cubin").read_bytes() == data
+
+
 def test_a_cache_of_another_target_is_ignored_with_one_line_naming_the_field(art, on_gpu, caplog):
     prep.prepare(art, warm=fake_warm())
     on_gpu(SIG.model_copy(update={"triton": "3.5.1"}))
     with caplog.at_level(logging.WARNING, logger="mlac.kernel_cache"):
-        assert kc.use_kernel_cache(art, Manifest.load(art), "cuda") is None
+        assert use(art) is None
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "kernel cache for sm90/NVIDIA H200/triton 3.6.0 not used: triton is 3.5.1 here (3.6.0 in the cache); "
@@ -226,20 +305,23 @@ def test_require_prepared_refuses_another_target(art, on_gpu):
     prep.prepare(art, warm=fake_warm())
     on_gpu(SIG.model_copy(update={"driver": "570.1"}))
     with pytest.raises(
-        MlacError, match=r"--require-prepared: .* driver is 570.1 here \(580.65.06 in the cache\)"
+        TargetMismatch, match=r"--require-prepared: .* driver is 570.1 here \(580.65.06 in the cache\)"
     ):
         Engine.from_artifact(art, kernel_cache="require")
     with pytest.raises(MlacError, match="driver is 570.1 here"):
         load_engine(ServerConfig(artifact=art, require_prepared=True))
     one_line_error(
-        invoke("generate", art, "--prompt", "hi", "--require-prepared"), "--require-prepared", "driver"
+        invoke("generate", art, "--prompt", "hi", "--require-prepared"),
+        "--require-prepared",
+        "driver",
+        code=4,
     )
     assert Engine.from_artifact(art, num_blocks=4).generate([1, 2, 3], max_tokens=1).completion_tokens == 1
 
 
 def test_require_prepared_refuses_an_artifact_without_caches(art, on_gpu):
     with pytest.raises(MlacError, match="holds no kernel cache"):
-        kc.use_kernel_cache(art, Manifest.load(art), "cuda", mode="require")
+        use(art, mode="require")
 
 
 # ---- a real Triton compile (an sm90 target compiles on CPU; it is not run) ----------------------
@@ -278,10 +360,10 @@ def compile_sm90(where: Path) -> dict:
 def test_a_prepared_triton_kernel_is_loaded_not_compiled(art, on_gpu, tmp_path):
     pytest.importorskip("triton")
     seen = []
-    prep.prepare(art, warm=lambda *args: seen.append(compile_sm90(tmp_path)))
+    unit, _ = prep.prepare(art, warm=lambda *args: seen.append(compile_sm90(tmp_path)))
     assert seen == [{"compiled": ["copy_kernel"], "loaded": []}]  # the counter sees a compile
-    assert any(f.path.endswith("/__grp__copy_kernel.json") for f in Manifest.load(art).files)
-    kc.use_kernel_cache(art, Manifest.load(art), "cuda")
+    assert any(f.path.endswith("/__grp__copy_kernel.json") for f in unit.files)
+    use(art)
     assert compile_sm90(tmp_path) == {"compiled": [], "loaded": ["copy_kernel"]}
 
 

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import onnx
 
-from mlac.core.artifact import TOKENIZER_DIR, Manifest, check_identity, verify_files
+from mlac.core.artifact import TOKENIZER_DIR, Manifest, check_identity
 from mlac.core.atomic import check_not_source, remove_stale_tmp, tmp_dir
 from mlac.core.errors import MlacError
+from mlac.core.files import verify_files
 from mlac.export.onnx.builder import OPSET, GraphBuilder
 from mlac.export.onnx.data import Layout, Progress, choose_layout
 from mlac.export.onnx.graph import build_model, io_spec
@@ -67,7 +68,7 @@ class OnnxExport:
         """Verify the artifact's hashes, write every file in a temporary folder, check the graph with
         its data (linked: stand-ins, then the hard links), then rename the folder to OUT_DIR
         (replacing an old one only now)."""
-        verify_files(self.artifact, self.manifest, progress=progress, hashes=self.verify)
+        verify_files(self.artifact, self.manifest.files, progress=progress, hashes=self.verify)
         for stale in remove_stale_tmp(self.out):
             log(f"removed {stale}: the temporary folder of an export that no longer runs")
         tmp = tmp_dir(self.out, os.getpid())
@@ -123,7 +124,7 @@ def plan_export(
             f"{root}: a {manifest.plan.world_size}-rank artifact (tp={manifest.plan.tp}); ONNX export takes "
             "a one-rank artifact: compile it again with --tp 1"
         )
-    verify_files(root, manifest, hashes=False)  # present, with their sizes
+    verify_files(root, manifest.files, hashes=False)  # present, with their sizes
     check_out_dir(out_path, root, force)
     layout = choose_layout(root, out_path, link_weights)
     model = build_model(manifest.model, ArtifactWeights(root, manifest, GraphBuilder(), layout))

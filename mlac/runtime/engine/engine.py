@@ -25,6 +25,7 @@ from mlac.core.artifact import TOKENIZER_DIR, Manifest
 from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.core.fp8 import FP8
+from mlac.core.validity import check_artifact
 from mlac.kernels.gemm.fp8_gemm import sm_count
 from mlac.kernels.gemm.gemv import DENSE_DTYPES
 from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
@@ -113,6 +114,7 @@ class Engine:
         max_model_len: int | None = None,
         kernel_cache: CacheMode = "use",
         dp_attention: bool | None = None,
+        require_signature: Path | None = None,
     ) -> Engine:
         """Verify (sizes, and sha256 unless verify=False) and load an artifact; size the KV cache
         from `num_blocks`, else from `kv_cache_bytes`, else on CUDA from the artifact's memory plan
@@ -124,9 +126,12 @@ class Engine:
         how the ranks of a multi-rank artifact find each other (see runner.make_runner).
         `kernel_cache`: use the artifact's compile cache of this GPU if it holds one ("require":
         refuse to start without), before any kernel is compiled (kernel_cache.use_kernel_cache).
-        `dp_attention`: True / False refuses an artifact whose plan says otherwise (None: any)."""
-        manifest = Manifest.load(path)
-        use_kernel_cache(path, manifest, device, kernel_cache, verify)
+        `dp_attention`: True / False refuses an artifact whose plan says otherwise (None: any).
+        `require_signature`: a PEM public key; the artifact's signature must verify with it before
+        anything loads, and a kernel-cache unit is used only if signed by it too."""
+        checked = check_artifact(path, hashes=False, identity_required=verify, public_key=require_signature)
+        manifest = checked.manifest
+        use_kernel_cache(checked, device, kernel_cache, verify, public_key=require_signature)
         spec = (scheduler_config or SchedulerConfig()).speculative_num_steps
         check_spec(spec, manifest.mtp is not None, manifest.plan.dp_attention)
         draft_layers = len(manifest.mtp.prefixes) if spec and manifest.mtp is not None else 0

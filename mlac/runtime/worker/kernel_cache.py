@@ -2,11 +2,13 @@
 
 Triton looks a kernel up in its cache directory before compiling it (env TRITON_CACHE_DIR, read at
 each compile in triton 3.x through `triton.knobs.cache.dir`). `mlac prepare` stores that directory,
-for one target, under cache/<key>/triton (artifact.KernelCache). At start, `use_kernel_cache` picks
-the cache whose signature equals this GPU's, copies its files into a fresh directory of this process
-(the artifact may be read-only, and Triton writes there), checking each file's size and sha256 on
-the bytes it copies, and points Triton at it. It must run before the process compiles any kernel;
-the ranks that the process spawns inherit the environment variable.
+for one target, as a kernel-cache unit under cache/<key>/ (core/units.py); artifacts of schema 1-2
+list it in their manifest instead (`Manifest.caches`). At start, `use_kernel_cache` picks the cache
+whose signature equals this GPU's, copies its files into a fresh directory of this process (the
+artifact may be read-only, and Triton writes there), checking each file's size and sha256 on the
+bytes it copies, and points Triton at it. It must run before the process compiles any kernel; the
+ranks that the process spawns inherit the environment variable. With a public key
+(`serve --require-signature`), a unit is used only if its own signature verifies with that key.
 
 Triton's group files (`__grp__*`) name their member files by absolute path: the artifact stores
 those paths relative to the cache directory (`portable_group`), and the copy makes them absolute
@@ -25,22 +27,18 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 import torch
 
-from mlac.core.artifact import (
-    FileEntry,
-    KernelCache,
-    Manifest,
-    TargetSignature,
-    cache_files,
-    check_identity,
-    check_inside,
-    signature_differences,
-)
-from mlac.core.errors import MlacError
+from mlac.core.artifact import Manifest, cache_files
+from mlac.core.errors import IntegrityError, MlacError, TargetMismatch
+from mlac.core.files import FileEntry, check_inside
+from mlac.core.signing import check_signature
+from mlac.core.units import CACHE_DIR, TRITON_DIR, TargetSignature, UnitManifest, signature_differences
+from mlac.core.validity import ArtifactCheck, unit_signed
 from mlac.runtime.worker.target import current_target
 
 CacheMode = Literal["use", "require", "off"]  # off: Triton's own cache directory, untouched
@@ -50,63 +48,106 @@ GROUP_PREFIX = "__grp__"
 log = logging.getLogger("mlac.kernel_cache")
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A kernel cache the artifact holds: `files` under `folder`, Triton's directory at `prefix`."""
+
+    key: str
+    signature: TargetSignature
+    folder: Path
+    prefix: str  # "triton/" in a unit; "cache/<key>/triton/" in a schema 1-2 manifest
+    files: list[FileEntry]
+    shown: str  # what messages put before a file's path: "cache/<key>/" for a unit
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def candidates(root: Path, manifest: Manifest, units: dict[str, UnitManifest]) -> list[Candidate]:
+    """The units (checked by check_artifact) and the manifest's own caches (schema 1-2), units first."""
+    out = [
+        Candidate(key, u.signature, root / CACHE_DIR / key, TRITON_DIR + "/", u.files, f"{CACHE_DIR}/{key}/")
+        for key, u in units.items()
+    ]
+    return out + [
+        Candidate(c.key, c.signature, root, c.path + "/", cache_files(manifest, c), "")
+        for c in manifest.caches
+    ]
+
+
 def use_kernel_cache(
-    root: str | Path,
-    manifest: Manifest,
+    checked: ArtifactCheck,
     device: torch.device | str,
     mode: CacheMode = "use",
     verify: bool = True,
+    public_key: Path | None = None,
 ) -> Path | None:
     """Point Triton at a copy of the artifact's kernel cache for `device`'s target; return the copy's
     directory (removed at exit), or None: off, not a CUDA device, or no cache of this target (one
-    warning line naming what differs; MlacError instead with mode "require"). The files are checked
-    for size, and with `verify` for sha256: a tampered file is refused as the loader refuses one."""
+    warning line naming what differs; TargetMismatch instead with mode "require"). `checked`: the
+    artifact as check_artifact found it. The files are checked for size, and with `verify` for
+    sha256: a tampered file is refused as the loader refuses one. With `public_key`, an unsigned unit
+    (or one signed by another key) is not used (a warning line; refused under "require")."""
     here = current_target(device) if mode != "off" else None
     if here is None:
         return None
-    cache = matching_cache(manifest, here, require=mode == "require")
+    cache = matching_cache(checked, here, mode == "require", public_key)
     if cache is None:
         return None
-    check_identity(root, manifest, required=verify)  # the manifest that lists these hashes is unedited
     dest = Path(tempfile.mkdtemp(prefix="mlac-triton-"))
     atexit.register(shutil.rmtree, dest, True)
-    copy_cache(Path(root), manifest, cache, dest, verify)
+    copy_cache(cache, dest, verify)
     point_triton_at(dest)
     log.info(
-        "kernel cache %s: %d files, %.1f MB, copied to %s", cache.key, cache.files, cache.bytes / 1e6, dest
+        "kernel cache %s: %d files, %.1f MB, copied to %s",
+        cache.key,
+        len(cache.files),
+        cache.bytes / 1e6,
+        dest,
     )
     return dest
 
 
-def matching_cache(manifest: Manifest, here: TargetSignature, require: bool = False) -> KernelCache | None:
-    """The cache whose signature equals `here`; else None after one warning line (MlacError if `require`)."""
-    for cache in manifest.caches:
-        if cache.signature == here:
-            return cache
-    message = mismatch_message(manifest.caches, here)
+def matching_cache(
+    checked: ArtifactCheck, here: TargetSignature, require: bool = False, public_key: Path | None = None
+) -> Candidate | None:
+    """The cache whose signature equals `here`; else None after one warning line (TargetMismatch
+    if `require`). With `public_key`, a matching unit must be signed by it."""
+    held = candidates(checked.root, checked.manifest, checked.units)
+    for cache in held:
+        if cache.signature != here:
+            continue
+        if public_key is not None and cache.folder != checked.root:
+            try:
+                check_signature(unit_signed(cache.folder, checked.units[cache.key]), public_key)
+            except IntegrityError as e:
+                if require:
+                    raise
+                log.warning("kernel cache %s not used: %s; kernels compile on first use", cache.key, e)
+                return None
+        return cache
+    message = mismatch_message([c.signature for c in held], here)
     if require:
-        raise MlacError(f"--require-prepared: {message}; run `mlac prepare ARTIFACT` on this GPU")
+        raise TargetMismatch(f"--require-prepared: {message}; run `mlac prepare ARTIFACT` on this GPU")
     log.warning("%s; kernels compile on first use", message)
     return None
 
 
-def mismatch_message(caches: list[KernelCache], here: TargetSignature) -> str:
+def mismatch_message(held: list[TargetSignature], here: TargetSignature) -> str:
     """Why no cache is used: none held, or the closest one (fewest differing fields) and what differs."""
-    if not caches:
+    if not held:
         return f"the artifact holds no kernel cache (this GPU: {here.label()})"
-    diff, closest = min(
-        ((signature_differences(c.signature, here), c) for c in caches), key=lambda d: len(d[0])
-    )
+    diff, closest = min(((signature_differences(s, here), s) for s in held), key=lambda d: len(d[0]))
     fields = ", ".join(f"{field} is {mine} here ({theirs} in the cache)" for field, theirs, mine in diff)
-    return f"kernel cache for {closest.signature.label()} not used: {fields}"
+    return f"kernel cache for {closest.label()} not used: {fields}"
 
 
-def copy_cache(root: Path, manifest: Manifest, cache: KernelCache, dest: Path, verify: bool = True) -> None:
+def copy_cache(cache: Candidate, dest: Path, verify: bool = True) -> None:
     """Write `cache`'s files under `dest` as Triton's cache directory, each checked as it is copied."""
-    prefix = cache.path + "/"
-    for entry in cache_files(manifest, cache):
-        data = read_checked(root, entry, verify)
-        rel = entry.path[len(prefix) :]
+    for entry in cache.files:
+        data = read_checked(cache.folder, entry, verify, cache.shown + entry.path)
+        rel = entry.path[len(cache.prefix) :]
         if is_group(rel):
             data = local_group(data, dest, entry.path)
         out = dest / rel
@@ -114,17 +155,17 @@ def copy_cache(root: Path, manifest: Manifest, cache: KernelCache, dest: Path, v
         out.write_bytes(data)
 
 
-def read_checked(root: Path, entry: FileEntry, verify: bool) -> bytes:
-    """A listed file's bytes, refused (as artifact.verify_files refuses) if missing, of another size,
-    or, with `verify`, of another sha256."""
-    path = root / entry.path
+def read_checked(root: Path, entry: FileEntry, verify: bool, shown: str | None = None) -> bytes:
+    """A listed file's bytes, refused (as files.verify_files refuses) if missing, of another size,
+    or, with `verify`, of another sha256. Messages name the file as `shown` (default: its path)."""
+    path, shown = root / entry.path, shown or entry.path
     if not path.is_file() or path.is_symlink():
-        raise MlacError(f"{entry.path}: missing from the artifact (or a symlink)")
+        raise IntegrityError(f"{shown}: missing from the artifact (or a symlink)")
     data = path.read_bytes()
     if len(data) != entry.size:
-        raise MlacError(f"{entry.path}: size {len(data)} does not match the manifest ({entry.size})")
+        raise IntegrityError(f"{shown}: size {len(data)} does not match the manifest ({entry.size})")
     if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise MlacError(f"{entry.path}: sha256 does not match the manifest (file modified or corrupt)")
+        raise IntegrityError(f"{shown}: sha256 does not match the manifest (file modified or corrupt)")
     return data
 
 

@@ -30,9 +30,11 @@ from pathlib import Path
 
 import torch
 
-from mlac.core.artifact import FileEntry, Manifest, TensorEntry, check_identity, check_inside, verify_files
+from mlac.core.artifact import Manifest
 from mlac.core.errors import MlacError
-from mlac.core.safetensors_io import SafetensorsFile, TensorInfo, dtype_name
+from mlac.core.files import FileEntry
+from mlac.core.safetensors_io import SafetensorsFile, TensorInfo
+from mlac.core.validity import check_artifact
 from mlac.runtime.worker.readpass import FileRead, ReadPass, default_threads, read_files
 
 KEEP_FLOAT32 = (".scale", ".gate_bias")  # tensor contract: float32 whatever the compute dtype
@@ -68,14 +70,8 @@ class LoadedRank:
 def rank_files(manifest: Manifest, rank: int) -> list[FileEntry]:
     """The files rank `rank` reads: its own folder; rank 0 also every file outside the rank folders."""
     own = manifest.rank_dir(rank) + "/"
-    shared = lambda path: not path.startswith("rank-")  # noqa: E731 (tokenizer/, tuning/, cache/)
+    shared = lambda path: not path.startswith("rank-")  # noqa: E731 (tokenizer/, cache/ of schema 1-2)
     return [f for f in manifest.files if f.path.startswith(own) or (rank == 0 and shared(f.path))]
-
-
-def check_files(root: Path, manifest: Manifest, verify: bool = True, rank: int | None = None) -> None:
-    """Every file of `rank` (of every rank if None) exists with its size; with `verify`, its sha256
-    too (the tamper check)."""
-    verify_files(root, manifest, files=None if rank is None else rank_files(manifest, rank), hashes=verify)
 
 
 def load_artifact(
@@ -122,18 +118,11 @@ def _plan_rank(
     """Every check of load_artifact that reads no tensor data (manifest identity, rank, files and
     sizes, headers against the manifest) and the reader thread count."""
     root, device = Path(path), torch.device(device)
-    manifest = Manifest.load(root)
-    check_identity(root, manifest, required=verify)  # the manifest unedited; no file a symlink
-    if not 0 <= rank < len(manifest.tensors):
-        raise MlacError(
-            f"{root}: rank {rank} out of range (the artifact has {len(manifest.tensors)} rank(s))"
-        )
-    check_files(root, manifest, verify=False, rank=rank)  # present, with their sizes; hashes: in the pass
-    by_file: dict[str, dict[str, TensorEntry]] = {}
-    for name, entry in manifest.tensors[rank].items():
-        by_file.setdefault(entry.file, {})[name] = entry
-    _check_rank_files(root, manifest, rank, by_file)
-    headers = {rel: _checked_header(root, rel, entries) for rel, entries in sorted(by_file.items())}
+    # the one check of what a valid artifact is (core/validity.py, as `mlac verify`), for this rank's
+    # files: everything but their bytes, which the read pass hashes as it reads them
+    checked = check_artifact(root, ranks=[rank], hashes=False, identity_required=verify)
+    manifest = checked.manifest
+    headers = {rel: h for rel, h in checked.headers.items() if rel.startswith(manifest.rank_dir(rank) + "/")}
     if threads is None:  # the ranks of this node load at once (one per GPU) and share its cores
         gpus = torch.cuda.device_count() if device.type == "cuda" else 1
         threads = default_threads(local_ranks=min(manifest.plan.world_size, max(1, gpus)))
@@ -217,41 +206,6 @@ def _read(plan: _RankPlan, f: FileEntry, finish, dest: torch.Tensor | None = Non
 def _placed(data: torch.Tensor) -> int:
     """A pending load's finish: its tensors are views made up front; nothing to return but the size."""
     return data.numel()
-
-
-def _check_rank_files(root: Path, manifest: Manifest, rank: int, by_file: dict[str, dict]) -> None:
-    """Tensor files must be hashed in the manifest, among the files this rank checked; the rank
-    folder must hold no other tensor file."""
-    hashed = {entry.path for entry in rank_files(manifest, rank)}
-    for rel in by_file:
-        check_inside(rel, root / "manifest.json")
-        if rel not in hashed:
-            raise MlacError(
-                f"{rel}: holds tensors but is not listed (hashed) in the manifest's files of rank {rank}"
-            )
-    rank_dir = root / manifest.rank_dir(rank)
-    for p in sorted(rank_dir.glob("*.safetensors")) if rank_dir.is_dir() else []:
-        rel = p.relative_to(root).as_posix()
-        if rel not in by_file:
-            raise MlacError(f"{rel}: extra tensor file not named by the manifest; refusing to load")
-
-
-def _checked_header(root: Path, rel: str, entries: dict[str, TensorEntry]) -> SafetensorsFile:
-    """The file's safetensors header, holding exactly the manifest's tensors with their dtypes and shapes."""
-    header = SafetensorsFile(root / rel)
-    names = set(header.tensors)
-    for name in sorted(names - entries.keys()):
-        raise MlacError(f"{rel}: extra tensor {name!r} not in the manifest")
-    for name in sorted(entries.keys() - names):
-        raise MlacError(f"{rel}: tensor {name!r} listed in the manifest is missing from the file")
-    for name, entry in sorted(entries.items()):
-        info = header.tensors[name]
-        got_dtype, got_shape = dtype_name(info.dtype), list(info.shape)
-        if got_dtype != entry.dtype or got_shape != entry.shape:
-            raise MlacError(
-                f"{rel}: tensor {name!r} is {got_dtype}{got_shape}, the manifest says {entry.dtype}{entry.shape}"
-            )
-    return header
 
 
 def _finish(header: SafetensorsFile | None, dtype: torch.dtype):

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from mlac.core.artifact import FileEntry, Pieces, hash_mismatch
-from mlac.core.errors import MlacError
+from mlac.core.errors import IntegrityError, MlacError
+from mlac.core.files import FileEntry, Pieces, hash_mismatch
 
 CHUNK = 64 << 20  # bytes per read; one read returns at most ~2 GiB on Linux, so reads loop anyway
 
@@ -182,7 +182,7 @@ def read_exact(fd: int, view: memoryview, offset: int, rel: str) -> None:
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
         if n == 0:
-            raise MlacError(f"{rel}: truncated while reading (at byte {offset + got}); the file changed")
+            raise IntegrityError(f"{rel}: truncated while reading (at byte {offset + got}); the file changed")
         got += n
 
 
@@ -291,7 +291,7 @@ class _Lane:
             if self.stream is not None:
                 self.stream.synchronize()  # NOTE: before `dest` can be freed, used or finished elsewhere
         if h is not None and h.hexdigest() != r.sha256:
-            raise MlacError(hash_mismatch(f.entry, r.begin, r.end))
+            raise IntegrityError(hash_mismatch(f.entry, r.begin, r.end))
         if not r.file.placed() or f.finish is None or dest is None:
             return _SKIPPED
         return f.finish(dest if dest.device == self.device else dest.to(self.device))

@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from mlac.core.artifact import MANIFEST, Manifest, ParallelPlan
 from mlac.core.config import ModelConfig
-from mlac.core.errors import MlacError
+from mlac.core.errors import IntegrityError, MlacError
 from mlac.core.plan import MAX_BS as MAX_GRAPH_BS
 from mlac.core.plan import decode_buckets
+from mlac.core.validity import check_artifact
 from mlac.runtime.dist.node_ranks import NodeRanks
 from mlac.runtime.dist.ranks import RankGroup, check_devices, end_process, rank_device
 from mlac.runtime.dist.step_link import FedStep, SpecOp, recv_step, send_fed, send_spec, send_step, share_ids
@@ -40,7 +41,7 @@ from mlac.runtime.model.parallel import SINGLE, ParallelContext
 from mlac.runtime.step import Step
 from mlac.runtime.worker.dp_graphs import DPDecodeGraphs
 from mlac.runtime.worker.graphs import DecodeGraphs
-from mlac.runtime.worker.loader import check_files, load_artifact, start_load
+from mlac.runtime.worker.loader import load_artifact, start_load
 from mlac.runtime.worker.memory_plan import KVPlan, bucket_plan, check_max_model_len, plan_ranks
 from mlac.runtime.worker.spec_exec import Fail, Send, SpecExecutor
 from mlac.runtime.worker.spec_graphs import DraftGraphs
@@ -279,8 +280,8 @@ def check_local_ranks(root: Path, manifest: Manifest, world: World) -> None:
     for rank in ranks:
         folder = manifest.rank_dir(rank)
         if not (root / folder).is_dir():
-            raise MlacError(f"{root}: rank folder {folder}/ is missing (the artifact is incomplete)")
-        check_files(root, manifest, verify=False, rank=rank)
+            raise IntegrityError(f"{root}: rank folder {folder}/ is missing (the artifact is incomplete)")
+    check_artifact(root, ranks=ranks, hashes=False)
 
 
 @dataclass(frozen=True)

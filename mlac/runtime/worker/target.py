@@ -7,7 +7,7 @@ import subprocess
 
 import torch
 
-from mlac.core.artifact import TargetSignature
+from mlac.core.units import TargetSignature
 
 
 def current_target(device: torch.device | str = "cuda") -> TargetSignature | None:

@@ -16,9 +16,10 @@ import torch
 from test_loader_pass import RANK, assert_same, every_dtype, make_artifact, reference
 
 from mlac.compiler.writer import ArtifactWriter
-from mlac.core import artifact
-from mlac.core.artifact import IDENTITY, FileEntry, Manifest, artifact_identity, identity_record, verify_files
+from mlac.core import files as core_files
+from mlac.core.artifact import IDENTITY, Manifest, artifact_identity, identity_record
 from mlac.core.errors import MlacError
+from mlac.core.files import FileEntry, verify_files
 from mlac.core.hashing import PieceHash, hash_file
 from mlac.core.lazy import LazyTensor
 from mlac.core.safetensors_io import WriteSpec, write_safetensors_lockstep
@@ -36,6 +37,8 @@ def with_pieces(root: Path, piece: int = PIECE, version: int = 2) -> Path:
     """Rewrite the manifest: every file longer than `piece` gets its piece hashes (schema 2)."""
     m = json.loads((root / "manifest.json").read_text())
     m["schema_version"] = version
+    if version < 3:
+        m.pop("provenance", None)  # schema 3 added it
     for f in m["files"]:
         data = (root / f["path"]).read_bytes()
         if len(data) > piece:
@@ -49,6 +52,7 @@ def without_pieces(root: Path) -> Path:
     """The manifest as an mlac before piece hashes wrote it: schema_version 1, no `pieces` key."""
     m = json.loads((root / "manifest.json").read_text())
     m["schema_version"] = 1
+    m.pop("provenance", None)  # schema 3 added it
     for f in m["files"]:
         f.pop("pieces", None)
     (root / "manifest.json").write_text(json.dumps(m))
@@ -218,20 +222,20 @@ def test_a_flipped_byte_in_piece_k_is_refused_naming_the_file_and_piece(art, k):
         with pytest.raises(MlacError, match=where):
             start_load(art, threads=threads).join()
     with pytest.raises(MlacError, match=where):
-        verify_files(art, Manifest.load(art))
+        verify_files(art, Manifest.load(art).files)
 
 
 def test_verify_hashes_pieces_on_several_threads_and_counts_every_byte(pieced, monkeypatch):
-    real, readers, counted = artifact.sha256_range, {}, []
+    real, readers, counted = core_files.sha256_range, {}, []
 
     def slow_range(path, begin, end):
         readers.setdefault(path.name, set()).add(threading.get_ident())
         time.sleep(0.0005)  # let the other threads take pieces meanwhile
         return real(path, begin, end)
 
-    monkeypatch.setattr(artifact, "sha256_range", slow_range)
+    monkeypatch.setattr(core_files, "sha256_range", slow_range)
     manifest = Manifest.load(pieced)
-    verify_files(pieced, manifest, progress=counted.append, threads=4)
+    verify_files(pieced, manifest.files, progress=counted.append, threads=4)
     assert len(readers["big.safetensors"]) > 1
     assert sum(counted) == sum(f.size for f in manifest.files)
 
@@ -268,7 +272,7 @@ def test_a_manifest_written_without_pieces_still_loads_and_verifies(art):
     assert Manifest.load(old).schema_version == 1
     assert_same(load_artifact(old, dtype=torch.float32, threads=4).tensors, reference(old, torch.float32))
     flip(old / RANK / "big.safetensors", 5017)
-    for check in (lambda: load_artifact(old, threads=4), lambda: verify_files(old, Manifest.load(old))):
+    for check in (lambda: load_artifact(old, threads=4), lambda: verify_files(old, Manifest.load(old).files)):
         with pytest.raises(MlacError, match=r"big.safetensors: sha256 does not match the manifest"):
             check()
 
@@ -283,9 +287,9 @@ def test_pieces_in_a_version_1_manifest_are_refused(art):
 
 def test_a_newer_schema_version_is_refused_clearly(art):
     m = json.loads((art / "manifest.json").read_text())
-    m["schema_version"] = 3
+    m["schema_version"] = 4
     (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(MlacError, match=r"schema_version 3 is newer than this mlac reads \(1, 2\); upgrade"):
+    with pytest.raises(MlacError, match=r"schema_version 4 is newer than this mlac reads \(1, 2, 3\); upgrade"):
         Manifest.load(art)
 
 

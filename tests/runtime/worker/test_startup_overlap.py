@@ -139,7 +139,7 @@ def test_a_modified_file_is_refused_after_the_overlapped_build(artifact, tmp_pat
 def test_the_cli_refuses_a_modified_file_in_one_line(artifact, tmp_path):
     path = tamper(artifact("tiny-v3"), tmp_path / "bad")
     r = invoke("generate", tmp_path / "bad", "--prompt", "hello", "--max-tokens", "2", "--device", "cpu")
-    one_line_error(r, path.name, "sha256 does not match the manifest")
+    one_line_error(r, path.name, "sha256 does not match the manifest", code=3)
 
 
 def test_a_failed_build_stops_the_readers(artifact, monkeypatch):

@@ -1,0 +1,104 @@
+"""Progress of a long command (compile, verify, prepare, push, pull, export, synth), on stderr.
+
+    with Progress(total_bytes, "pulling") as p:
+        ... p.update(n) ...        # from any thread
+
+On a terminal: one line redrawn in place, at most 5 times a second. Elsewhere (a CI log, a pipe):
+a plain line at least every `interval` seconds (10 by default), also while no bytes arrive, so a
+silent log means a dead job, never a slow one:
+
+    pulling: 12.40 of 31.40 GB (39.5%), 412.3 MB/s, ETA 46 s
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TextIO
+
+INTERVAL_S = 10.0
+REDRAW_S = 0.2
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_seconds(s: float) -> str:
+    s = int(round(s))
+    return (
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
+        if s >= 3600
+        else f"{s // 60}m{s % 60:02d}s"
+        if s >= 60
+        else f"{s} s"
+    )
+
+
+class Progress:
+    """Done and total bytes of one task, reported as the module docstring says."""
+
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        stream: TextIO | None = None,
+        interval: float = INTERVAL_S,
+        terminal: bool | None = None,
+    ):
+        self.total, self.label, self.done = max(int(total), 0), label, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.terminal = self.stream.isatty() if terminal is None else terminal
+        self.interval = REDRAW_S if self.terminal else interval
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="mlac-progress", daemon=True)
+
+    def __enter__(self) -> Progress:
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if exc[0] is None:
+            self._emit(final=True)
+        elif self.terminal:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self.done += int(n)
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        done, total = self.done, self.total
+        rate = done / elapsed
+        parts = [f"{self.label}: {human_bytes(done)}"]
+        if total:
+            parts[0] += f" of {human_bytes(total)} ({100 * min(done / total, 1):.1f}%)"
+        parts.append(f"{human_bytes(rate)}/s")
+        if total and rate > 0 and done < total:
+            parts.append(f"ETA {human_seconds((total - done) / rate)}")
+        elif done >= total:
+            parts.append(f"in {human_seconds(elapsed)}")
+        return ", ".join(parts)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._emit()
+
+    def _emit(self, final: bool = False) -> None:
+        text = self.line()
+        if self.terminal:
+            self.stream.write("\r\x1b[K" + text + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
