@@ -265,7 +265,7 @@ LAYERS = (
     ("mlac.core", "mlac.settings"),
     ("mlac.kernels", "mlac.passes"),
     ("mlac.runtime",),
-    ("mlac.compiler", "mlac.export", "mlac.synth"),
+    ("mlac.compiler", "mlac.export", "mlac.synth", "mlac.ship"),
     ("mlac.tools",),
     ("mlac.cli",),
 )

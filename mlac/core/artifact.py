@@ -186,7 +186,9 @@ class Manifest(Frozen):
         if self.schema_version < 3 and self.provenance is not None:
             raise ValueError("provenance needs schema_version 3")
         if self.schema_version >= 3 and self.caches:
-            raise ValueError("schema_version 3 keeps kernel caches as units (cache/<key>/unit.json), not in caches")
+            raise ValueError(
+                "schema_version 3 keeps kernel caches as units (cache/<key>/unit.json), not in caches"
+            )
         return self
 
     def rank_dir(self, rank: int) -> str:
@@ -201,8 +203,13 @@ class Manifest(Frozen):
         path = Path(root) / MANIFEST
         if not path.is_file():
             raise MlacError(f"{root}: not an mlac artifact ({MANIFEST} not found)")
+        return cls.from_bytes(path.read_bytes(), str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: str) -> Manifest:
+        """The manifest in `data` (a manifest.json's bytes, read from `path`: named in errors)."""
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(data.decode())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MlacError(f"{path}: invalid JSON ({e})") from None
         except RecursionError:
@@ -277,7 +284,9 @@ def recorded_identity(root: str | Path) -> str | None:
             text = f.read(200).decode(errors="replace")
     identity = text[:64]
     if text != identity_record(identity) or not all(c in "0123456789abcdef" for c in identity):
-        raise IntegrityError(f"{path}: malformed (want '<64 hex digits>  {MANIFEST}'); recompile the artifact")
+        raise IntegrityError(
+            f"{path}: malformed (want '<64 hex digits>  {MANIFEST}'); recompile the artifact"
+        )
     return identity
 
 
@@ -300,4 +309,3 @@ def check_identity(root: str | Path, manifest: Manifest, required: bool = True) 
             "the manifest was edited or is corrupt; recompile the artifact"
         )
     return identity
-

@@ -45,10 +45,11 @@ class Signed:
 
 def _listed_manifest(signed: Signed):
     """model-signing's manifest of `signed`, from the digests as listed (no file is read)."""
-    from model_signing import hashing, manifest  # noqa: PLC0415 (heavy: sigstore, protobuf)
+    from model_signing import manifest  # noqa: PLC0415 (heavy: sigstore, protobuf)
+    from model_signing._hashing.hashing import Digest  # noqa: PLC0415 (the digest type its manifests hold)
 
     items = [
-        manifest.FileManifestItem(path=PurePosixPath(p), digest=hashing.Digest("sha256", bytes.fromhex(d)))
+        manifest.FileManifestItem(path=PurePosixPath(p), digest=Digest("sha256", bytes.fromhex(d)))
         for p, d in sorted(signed.digests.items())
     ]
     ignored = frozenset(Path(p) for p in (*signed.ignored, signed.signature))
