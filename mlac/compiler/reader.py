@@ -108,7 +108,34 @@ class Checkpoint:
 
     # ---- validation ----------------------------------------------------------------------
 
+    def _check_counts(self) -> None:
+        """The config's layer and expert counts against the tensors present, before the expected
+        tensor set (which grows with them) is built: a config that does not describe this
+        checkpoint is one line, not a MemoryError."""
+        cfg = self.config
+        layers: set[int] = set()
+        experts: set[int] = set()
+        for name in self.where:
+            m = re.match(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?", name)
+            if m:
+                layers.add(int(m.group(1)))
+                if m.group(2) is not None:
+                    experts.add(int(m.group(2)))
+        held = len(layers) - len([i for i in layers if i >= cfg.num_hidden_layers])
+        if cfg.num_hidden_layers > held:
+            raise MlacError(
+                f"{self.dir / 'config.json'}: num_hidden_layers={cfg.num_hidden_layers}, but the checkpoint holds "
+                f"{held} decoder layer(s); the config does not describe these weights"
+            )
+        n = cfg.n_routed_experts or 0
+        if n > len(experts) and any(cfg.is_moe_layer(i) for i in range(min(cfg.num_hidden_layers, held))):
+            raise MlacError(
+                f"{self.dir / 'config.json'}: n_routed_experts={n}, but the checkpoint holds {len(experts)} "
+                "expert(s) per MoE layer; the config does not describe these weights"
+            )
+
     def _check_tensor_set(self) -> None:
+        self._check_counts()
         cfg = self.config
         fp8 = cfg.quantization is not None
         expected: dict[str, Expected] = dict(expected_globals(cfg))

@@ -32,6 +32,7 @@ import torch
 
 from mlac.compiler.check import calibrate
 from mlac.core.artifact import AccuracyReport, Manifest
+from mlac.core.errors import MlacError
 
 if TYPE_CHECKING:
     from mlac.runtime.engine.engine import Engine
@@ -182,8 +183,12 @@ def text_fields(want: TextScore, got: TextScore, window: int, kv_cost: float | N
 
 
 def compare_logits(got: torch.Tensor, want: torch.Tensor, reference: str) -> AccuracyReport:
-    """Logits [N, V] of the artifact against the reference."""
+    """Logits [N, V] of the artifact against the reference. MlacError when either holds NaN or inf:
+    such a model is broken, and no agreement measured on it means anything."""
     got, want = got.double(), want.double()
+    for what, t in (("the compiled artifact", got), (reference, want)):
+        if not torch.isfinite(t).all():
+            raise MlacError(f"accuracy check: {what} gives NaN or inf logits on the probe sequences; refusing the artifact")
     return AccuracyReport(
         status="measured",
         reference=reference,
