@@ -114,7 +114,9 @@ def main() -> None:
     ap.add_argument("--no-verify", action="store_true", help="export with --no-verify")
     ap.add_argument("--label", default=None)
     ap.add_argument("--unquantized", type=Path, default=None, help="with --parity: the bf16 artifact")
-    ap.add_argument("--json", type=Path, default=Path(__file__).parents[1] / "results" / "onnx_export_cpu.json")
+    ap.add_argument(
+        "--json", type=Path, default=Path(__file__).parents[1] / "results" / "onnx_export_cpu.json"
+    )
     args = ap.parse_args()
     from mlac.core.artifact import Manifest
 

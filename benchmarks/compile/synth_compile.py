@@ -4,7 +4,8 @@
 
 Each step runs as its own process; its peak RSS comes from wait4() (ru_maxrss), its time from
 the wall clock. Source throughput = bytes of source tensors processed / compile wall time.
-Writes benchmarks/results/compile_<preset>_cpu.json.
+Targets (DESIGN.md): peak RSS at most 3 GB however large the model, and at least 200 MB/s of source on
+the 2-core CPU machine (the compile is CPU-bound there). Writes benchmarks/results/compile_<preset>_cpu.json.
 """
 
 from __future__ import annotations

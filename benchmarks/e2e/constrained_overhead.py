@@ -12,7 +12,8 @@ the bookkeeping, synchronized), and for the constrained runs the mask alone: `ma
 bitmask of every row, its copy to the device, the -inf fill; synchronized) and its CPU part
 `token_bitmask`. overhead = constrained - free step (median). The first --warmup decode steps of
 each run are not timed (CUDA graphs, caches). The grammar is compiled once before timing (its
-compile time and llguidance's tokenizer set-up are reported apart).
+compile time and llguidance's tokenizer set-up are reported apart). The baseline is the free step of the
+same run.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ Each request asks for one token (`max_tokens` 1): TTFT is its whole latency. The
 `usage.prompt_tokens_details.cached_tokens` is recorded per pass, so a "cached" pass that missed
 shows as such. The JSON also holds the device, versions and the server's start-up.
 
+The least a cached request can take against a cold one, from the model and the device's ceilings:
+prefix_bound.py.
+
 3. in process (unless --no-in-process), once the server has stopped: the same sequential requests
    (the same ids, cold then cached, every suffix length) on an engine of this process
    (serve.load_engine, `--dtype`, the serve defaults otherwise), one Scheduler: per request the

@@ -25,7 +25,8 @@ prompt throughput. From the server's /metrics, per level: its own mean TTFT and 
 (from the request's arrival at the server, after its body is parsed), its engine steps and their
 mean tokens (`mlac:iteration_tokens_total`: how well the arrivals batch), its JIT compiles; and
 the busiest client process's CPU seconds per wall second (near 1: the clients bound the level).
-Before the levels each server gets two requests of another system prompt (shapes; a prepared
+The bound of a lone request's cold / cached ratio: prefix_bound.py. Before the levels each server
+gets two requests of another system prompt (shapes; a prepared
 artifact compiles nothing). The JSON also holds the device, versions, the server commands and start-ups.
 """
 

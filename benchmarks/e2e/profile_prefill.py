@@ -11,6 +11,7 @@ their own) in one step: what a burst of cached requests costs the engine. For ea
 kernel ms, kernel launches, host syncs, the operators with the most host (self CPU) time (what an
 eager step spends launching) and those with the most GPU time; over the 5 timed runs, the caching
 allocator's cudaMalloc / cudaFree calls and retries, and the Triton kernels compiled or loaded.
+A profile, not a rate: the floors of a cold and a cached step are prefix_bound.py's.
 """
 
 from __future__ import annotations

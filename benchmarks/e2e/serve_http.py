@@ -5,6 +5,11 @@
         [--peak-requests 1024 --peak-prompt-len 128 --peak-max-tokens 128 --peak-concurrency 0] \
         [--budget-s 200] [--serve-args "--kv-cache-bytes 17179869184"]
 
+The ceiling of the decode rates is the same artifact in process (`mlac bench`, which reports its
+fraction of the bandwidth roofline): over HTTP a server should add little to it. The start-up's
+floor is the load phase alone (load.py) plus the imports. The end-to-end yardstick
+(yardstick.sh) runs this script on a prepared artifact.
+
 Phases, each written into the JSON as soon as it ends (a kill leaves what was measured):
 
 1. start-up: `python -m mlac.cli serve ART` starts in a process group of its own (log: --log);
