@@ -23,10 +23,13 @@
 #                 SYNTH="--from-config tests/configs/DeepSeek-V3.json --num-layers 2"
 #   COMPILE_ARGS  more `mlac compile` flags, e.g. "--tp 2" or "--tp 2 --dp-attention" (multi-rank: run on a
 #                 machine with that many GPUs; `mlac serve` starts the other ranks itself)
-#   SERVE_ARGS    more `mlac serve` flags (default: --no-verify --kv-cache-bytes 17179869184)
+#   SERVE_ARGS    more `mlac serve` flags (default: --no-verify --kv-cache-bytes 17179869184; SERVE_ARGS="": none,
+#                 so the hashes are verified and the KV cache comes from the memory plan)
 #   MAX_RUNNING   --max-running-requests of the servers (256)
 #   GPU_TESTS     GPU-marked test files to run while the checkpoint is made
 #   SKIP_BENCH=1, SKIP_SERVE=1: leave step 2 or 3 out
+#   SPEC_STEPS    also `mlac bench --speculative-num-steps SPEC_STEPS` (an artifact with an MTP layer; random
+#                 weights accept no draft: this shows the path runs, benchmarks/e2e/spec.sh measures it)
 #   LOAD=1        also the load phase alone (load.py, one rank, hashes verified): page cache warm, then cold
 #   PREFIX=1      also the prefix cache on the bf16 artifact: prefix_ttft.py (a 2,000-token system prompt,
 #                 suffixes of 8, 16, 64 tokens) and prefix_workload.py (concurrency 1, 4, 16, 64)
@@ -40,7 +43,7 @@ set -uo pipefail
 OUT=${1:?usage: bash benchmarks/e2e/yardstick.sh OUT_DIR}
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
 ARTS=${ARTS:-bf16 fp8}
-SERVE_ARGS=${SERVE_ARGS:---no-verify --kv-cache-bytes 17179869184}
+SERVE_ARGS=${SERVE_ARGS---no-verify --kv-cache-bytes 17179869184}  # set but empty: none
 MAX_RUNNING=${MAX_RUNNING:-256}
 E2E=benchmarks/e2e
 
@@ -78,6 +81,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     python3 -m mlac.cli bench $W/$a --no-verify --input-len 64 --output-len 64 --batch-sizes 1,32,256 --profile \
       --json "$OUT/bench_$a.json" 2>&1 | grep -v Warn | tail -6
     stamp "bench $a"
+    if [ -n "${SPEC_STEPS:-}" ]; then
+      python3 -m mlac.cli bench $W/$a --no-verify --input-len 64 --output-len 64 --batch-sizes 1,32 --profile \
+        --speculative-num-steps $SPEC_STEPS --json "$OUT/bench_${a}_k$SPEC_STEPS.json" 2>&1 | grep -v Warn | tail -4
+      stamp "bench $a K=$SPEC_STEPS"
+    fi
   done
 fi
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Multi-rank plans of a V3-shaped model on a 4-GPU machine, from the repository root:
+# Multi-rank plans against one GPU (a V3-shaped model by default) on a 4-GPU machine, from the repository root:
 #
-#     bash benchmarks/e2e/multirank_v3.sh OUT_DIR
+#     bash benchmarks/e2e/multirank.sh OUT_DIR
 #
 #   1. synth a DeepSeek-V3-shaped checkpoint of 2 layers (FP8 as released; layer 0 dense, layer 1 MoE with
 #      256 experts; the MTP layer kept out by the compiler): ~31 GB in $W;
@@ -21,12 +21,13 @@
 # reserve for the steps after it (tp2 last). Expected: synth 20-100 s, the 4 compiles together 60-150,
 # logits 60-100, each serve 60-100 (start-up 15-40, decode 10-20, peak 20-60).
 #
-# On a 2-GPU machine: PLANS=tp2 GPU_TESTS_S=0 bash benchmarks/e2e/multirank_v3.sh OUT_DIR
+# On a 2-GPU machine: PLANS=tp2 GPU_TESTS_S=0 bash benchmarks/e2e/multirank.sh OUT_DIR
+# The V2-Lite real-shape synthetic instead: SYNTH=v2-lite PLANS=tp2 GPU_TESTS_S=0 bash benchmarks/e2e/multirank.sh OUT_DIR
 # Smoke test on a CPU machine (tiny checkpoint, gloo, small sizes):
 #   DEVICE=cpu SKIP_INSTALL=1 SYNTH=tiny-v3 SERVE_SIZES="--batches 1,4 --max-tokens 8 --prompt-len 16
-#   --peak-requests 16 --peak-prompt-len 16 --peak-max-tokens 8" bash benchmarks/e2e/multirank_v3.sh /tmp/o
+#   --peak-requests 16 --peak-prompt-len 16 --peak-max-tokens 8" bash benchmarks/e2e/multirank.sh /tmp/o
 set -uo pipefail
-OUT=${1:?usage: bash benchmarks/e2e/multirank_v3.sh OUT_DIR}
+OUT=${1:?usage: bash benchmarks/e2e/multirank.sh OUT_DIR}
 mkdir -p "$OUT"
 T0=$(date +%s)
 DEADLINE=$((T0 + ${DEADLINE_S:-545}))
