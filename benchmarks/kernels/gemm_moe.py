@@ -393,7 +393,7 @@ def table(res: dict) -> str:
         )
     for r in res["routing"]:  # best us: Triton, base us: route_ref (CUDA graph); eager after
         shape = f"{r['case']} T={r['T']}"
-        if "triton_graph_us" not in r:  # recorded before the Triton kernel: route_ref only
+        if "triton_graph_us" not in r:  # an older record: route_ref only
             lines.append(
                 f"{'route_ref':<10}{shape:<34}{r['graph_us']:>9.1f}{'eager':>27} {r['eager_us']:.0f}"
             )
