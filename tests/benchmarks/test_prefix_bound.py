@@ -1,4 +1,4 @@
-"""benchmarks/prefix_bound.py: its parameter counts are the synthetic checkpoint's, and its floors
+"""benchmarks/e2e/prefix_bound.py: its parameter counts are the synthetic checkpoint's, and its floors
 move the way the bound says."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from mlac.core.config import ModelConfig
 from mlac.synth.presets import PRESETS
 from mlac.synth.weights import checkpoint_params
 
-BENCH = REPO / "benchmarks"
+BENCH = REPO / "benchmarks" / "e2e"
 
 
 @pytest.fixture(scope="module")

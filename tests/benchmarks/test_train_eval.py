@@ -1,4 +1,4 @@
-"""benchmarks/train_eval.py on CPU, end to end on a `micro` checkpoint of benchmarks/train_small.py:
+"""benchmarks/train/train_eval.py on CPU, end to end on a `micro` checkpoint of benchmarks/train/train_small.py:
 every row of the perplexity-delta table is compiled and scored through the CLI, the tp2 row with two
 gloo ranks; the numbers are finite, tp2 equals its 1-rank float32 reference, and the calibrated rows
 carry per-layer KV scales that the uncalibrated ones do not. The end-to-end tests start 14 CLI
@@ -18,7 +18,7 @@ from _paths import REPO
 
 from mlac.synth import train_data
 
-BENCH = REPO / "benchmarks"
+BENCH = REPO / "benchmarks" / "train"
 ROWS = ["bf16", "fp8", "kv-e4m3", "kv-e4m3-cal", "kv-e5m2", "kv-e5m2-cal", "bf16-cpu", "tp2"]
 
 

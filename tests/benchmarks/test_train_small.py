@@ -1,4 +1,4 @@
-"""benchmarks/train_small.py on CPU: the micro config trains, its checkpoint compiles and serves.
+"""benchmarks/train/train_small.py on CPU: the micro config trains, its checkpoint compiles and serves.
 
 The trained checkpoint is checked three ways: its loss falls and beats a unigram baseline on
 held-out files; mlac's reader finds the MTP layer at index num_hidden_layers; and the compiled
@@ -21,7 +21,7 @@ from mlac.compiler.pipeline import compile_checkpoint
 from mlac.compiler.reader import Checkpoint
 from mlac.core.artifact import CompileOptions
 
-SCRIPT = REPO / "benchmarks" / "train_small.py"
+SCRIPT = REPO / "benchmarks" / "train" / "train_small.py"
 
 
 def _load_script():

@@ -1,4 +1,4 @@
-"""benchmarks/train_small.py's `deep` recipe on CPU: its model, as the recipe shapes it, trains a
+"""benchmarks/train/train_small.py's `deep` recipe on CPU: its model, as the recipe shapes it, trains a
 few steps on a sliver of the corpus, compiles with its MTP layer, and generates with and without
 speculation (the draft is that MTP layer).
 

@@ -1,6 +1,6 @@
 """MTP (NextN) layers in the compiler: compiled by default under `mtp.{k}.`, left out with --no-mtp,
 the embedding and head shared when the source's copies equal the main ones, and the compiled
-layer's logits equal those of the reference MTP module (benchmarks/train_small.py's MTPLayer,
+layer's logits equal those of the reference MTP module (benchmarks/train/train_small.py's MTPLayer,
 transformers' decoder block) that wrote the checkpoint.
 """
 
@@ -24,7 +24,7 @@ from mlac.runtime.model.model import DeepseekModel
 from mlac.synth.train_export import write_checkpoint
 from mlac.tools.inspect import describe
 
-SCRIPT = REPO / "benchmarks" / "train_small.py"
+SCRIPT = REPO / "benchmarks" / "train" / "train_small.py"
 
 
 def _train_small():

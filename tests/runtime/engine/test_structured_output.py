@@ -288,7 +288,7 @@ def test_constrained_overhead_benchmark_runs(art, tmp_path, monkeypatch):
     import importlib.util
     import sys
 
-    path = REPO / "benchmarks" / "constrained_overhead.py"
+    path = REPO / "benchmarks" / "e2e" / "constrained_overhead.py"
     spec = importlib.util.spec_from_file_location("constrained_overhead", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

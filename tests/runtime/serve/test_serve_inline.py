@@ -1,4 +1,4 @@
-"""A request's fixed cost to its first token (benchmarks/ttft_overhead.py): a small request is
+"""A request's fixed cost to its first token (benchmarks/e2e/ttft_overhead.py): a small request is
 tokenized and built on the event loop (no worker-thread hand-offs), a large text or a grammar in
 a worker thread; a completion's prompt keeps its type (token ids are tried first)."""
 
