@@ -21,6 +21,10 @@ from mlac.core.errors import MlacError
 from mlac.runtime.engine.constrain import GrammarSpec
 
 MAX_LOGPROBS = 20  # most top alternatives per token (OpenAI's top_logprobs limit)
+# Temperatures below this sample greedily: 1/T of a smaller one overflows float32 logits to inf
+# (T = 1e-300 is 0 in float32). vLLM's floor too.
+GREEDY_BELOW = 1e-5
+TOP_K_MAX = 2**31 - 1  # top_k is capped at the vocabulary when sampling; larger values mean "all"
 
 
 class InvalidSamplingParams(MlacError, ValueError):
@@ -45,7 +49,8 @@ def _is_real(x: object) -> bool:
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 switch those filters off (min_p keeps
+    temperature 0 (or under GREEDY_BELOW) is greedy; top_k 0, top_p 1 and min_p 0 switch those
+    filters off, and a top_k above the vocabulary keeps every token (min_p keeps
     tokens whose probability is at least min_p times the most likely one's). `stop` strings end
     the completion (the text is cut before the stop string); `stop_token_ids` and the model's
     eos tokens (unless ignore_eos) end it too. `logprobs` = n returns, for every generated
@@ -97,10 +102,16 @@ class SamplingParams:
                 raise InvalidSamplingParams(
                     f"sampling parameter {name}={value!r}: must be {want}", param=name
                 )
+        self._cap_to_kernels()
+
+    def _cap_to_kernels(self) -> None:
+        """Values inside the accepted range that the kernels cannot honour as given, mapped to what
+        they mean (a request's parameters never fail a step)."""
+        object.__setattr__(self, "top_k", min(self.top_k, TOP_K_MAX))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -171,8 +182,8 @@ def sample(
         return to_device([getattr(params[i], name) for i in rows], dtype, dev)
 
     x = logits if len(rows) == len(params) else logits.index_select(0, to_device(rows, torch.int64, dev))
-    x = x.float() / per_row("temperature")[:, None]  # [R, V]
-    x = apply_top_k(x, per_row("top_k", torch.int64))
+    x = x.float() / per_row("temperature")[:, None]  # [R, V]; temperature >= GREEDY_BELOW here
+    x = apply_top_k(x, per_row("top_k", torch.int64))  # top_k <= TOP_K_MAX: fits int64, capped at V
     x = apply_top_p(x, per_row("top_p"))
     if any(params[i].min_p > 0 for i in rows):
         x = apply_min_p(x, per_row("min_p"))
