@@ -1,5 +1,5 @@
 """Benchmark: one MoE layer at batch 1 with its shared experts, apart (their own MLP) or inside the
-routed experts' decode launches (moe_decode.SharedExperts).
+routed experts' decode launches (moe/shared.py, SharedExperts).
 
     python benchmarks/bench_moe_shared.py [--out results.json] [--sweep] [--shapes v2lite,v3slice]
 
@@ -32,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_moe_decode import sweep  # noqa: E402
 from gpu_timing import copy_gbps, graph_us  # noqa: E402
 
+from mlac.core.fp8 import FP8  # noqa: E402
 from mlac.kernels.fp8_quant import Fp8Act  # noqa: E402
 from mlac.kernels.gemm.fp8_gemm import quantize_act_ref  # noqa: E402
-from mlac.kernels.moe import grouped as M  # noqa: E402
+from mlac.kernels.moe import fused as M  # noqa: E402
 from mlac.kernels.moe import routing as R  # noqa: E402
+from mlac.kernels.moe.shared import SharedExperts  # noqa: E402
 from mlac.runtime.model.layers import Weights  # noqa: E402
 from mlac.runtime.model.model import MLP  # noqa: E402
 
@@ -48,7 +50,7 @@ def rand_weight(lead: tuple[int, ...], n: int, k: int, fp8: bool):
     """(weight [*lead, n, k], block scales or None)."""
     if not fp8:
         return (torch.randn(*lead, n, k, device=DEV) / k**0.5).to(torch.bfloat16), None
-    w = (torch.randn(*lead, n, k, device=DEV) * 64).clamp_(-448, 448).to(M.FP8)
+    w = (torch.randn(*lead, n, k, device=DEV) * 64).clamp_(-448, 448).to(FP8)
     return w, (torch.rand(*lead, -(-n // 128), -(-k // 128), device=DEV) + 0.5) * (0.02 / k**0.5)
 
 
@@ -60,7 +62,7 @@ def make_layer(e: int, h: int, i: int, n_shared: int, fp8: bool):
     sw2, ss2 = rand_weight((), h, n_shared * i, fp8)
     tensors = {"s.w13": sw13, "s.w2": sw2} | ({"s.w13.scale": ss13, "s.w2.scale": ss2} if fp8 else {})
     mlp = MLP(Weights(tensors), "s", reduce=False)
-    shared = M.SharedExperts(sw13, sw2, ss13, ss2, lambda x, x_act: mlp(x_act if x_act is not None else x))
+    shared = SharedExperts(sw13, sw2, ss13, ss2, lambda x, x_act: mlp(x_act if x_act is not None else x))
     return (w13, w2, s13, s2), mlp, shared
 
 

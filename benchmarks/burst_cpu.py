@@ -12,7 +12,7 @@ Delta. Then the same burst again with new suffixes (cached: each prefills only i
 `--trace` prints each engine step: the plan's sequences and tokens, and its seconds.
 
 The engine is warmed up first as a server on CUDA is (Engine.warmup, forced): every grouped-MoE
-tile config (moe.pick_moe_config) that a step meets while serving and the warm-up did not is a
+tile config (grouped.pick_moe_config) that a step meets while serving and the warm-up did not is a
 Triton JIT compile on a GPU, in the middle of the burst, prepared artifact or not (`mlac prepare`
 compiles what the warm-up meets): the script counts them per burst and marks their steps (`JIT`).
 Synthesize the artifact with the real model's experts and top-k for its configs (V2-Lite: 64 and 6,

@@ -6,7 +6,7 @@ variant per set of constexprs and per class of each integer argument not marked 
 (fp8_gemm.int_class). Several wrappers pick constexprs from the step's token count t, not only from
 the weights' shapes:
 
-- grouped MoE (moe.moe_variants): the tile config from the rows per expert, and with FP8 the K split
+- MoE (fused.moe_variants): the tile config from the rows per expert, and with FP8 the K split
   of each GEMM (`split_k_for`, from the tile count, so from t: V3 on 132 SMs splits GEMM1 in 2 at 2
   tokens only, narrower experts or fewer SMs split 2-8 ways over wider ranges), the top-k reduce's
   BLOCK_T, the one-token decode GEMVs;
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from mlac.kernels.gemm import gemv
 from mlac.kernels.gemm.fp8_gemm import gemm_variant, int_class, next_power_of_2
 from mlac.kernels.moe import router_gemv
-from mlac.kernels.moe.grouped import moe_variants
+from mlac.kernels.moe.fused import moe_variants
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,29 @@ from mlac.kernels import fp8_quant
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.kernels.gemm import fp8_gemm, gemv
 from mlac.kernels.gemm.fp8_gemm import int_class
+from mlac.kernels.moe import align as moe_align
 from mlac.kernels.moe import decode as moe_decode
-from mlac.kernels.moe import grouped as moe
+from mlac.kernels.moe import decode_sum as moe_decode_sum
+from mlac.kernels.moe import fused as moe
+from mlac.kernels.moe import grouped as moe_grouped
+from mlac.kernels.moe import reduce as moe_reduce
 from mlac.kernels.moe import router_gemv
 from mlac.kernels.moe import routing as moe_routing
 from mlac.kernels.moe.routing import RoutingSpec
 from mlac.kernels.step_variants import MoeShape, StepShapes, step_variants, warmup_token_counts
 
-KERNEL_MODULES = (fp8_gemm, fp8_quant, gemv, moe, moe_decode, moe_routing, router_gemv)
+KERNEL_MODULES = (
+    fp8_gemm,
+    fp8_quant,
+    gemv,
+    moe_align,
+    moe_grouped,
+    moe_reduce,
+    moe_decode,
+    moe_decode_sum,
+    moe_routing,
+    router_gemv,
+)
 
 # (N, K) of one rank's dense weights at tp 1 (q_a+kv_a fused, wq_b or wq, wo, dense w13 / w2, shared
 # w13 / w2), the experts (E, top-k, D, I) and the routing
@@ -101,7 +116,7 @@ def test_the_moe_configs_largest_counts_miss_a_split_k_variant():
     # FP8) met SPLIT_K 1 only
     shapes = StepShapes(132, moe=MoeShape(*V3["moe"], fp8=True))
     met = {v for t in (768, 3072, 8192) for v in step_variants(t, shapes)}
-    assert ("moe_gemm1", moe.pick_moe_config(16, 256, True), 2) in set(step_variants(2, shapes)) - met
+    assert ("moe_gemm1", moe_grouped.pick_moe_config(16, 256, True), 2) in set(step_variants(2, shapes)) - met
 
 
 # ---- the wrappers, on meta tensors: does the variant name everything a launch compiles? ---------
@@ -153,7 +168,7 @@ def launches(monkeypatch):
 
 def on_sms(monkeypatch, sms: int) -> None:
     """The wrappers plan for a GPU of `sms` SMs (gemv caches its configs: emptied both ways)."""
-    for mod in (fp8_gemm, gemv, moe, router_gemv):
+    for mod in (fp8_gemm, gemv, moe_grouped, router_gemv):
         monkeypatch.setattr(mod, "sm_count", lambda device: sms)
     gemv.pick_config.cache_clear()  # and again after the test (`launches`)
 
