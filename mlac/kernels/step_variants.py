@@ -13,7 +13,7 @@ the weights' shapes:
 - dense FP8 GEMM (fp8_gemm.gemm_variant, per weight shape): BLOCK_M = next power of two of M up to
   64 (decode tiles), then two prefill configs; and M itself (not `dynamic`): "1", "16", "any" (a
   warm-up of multiples of 16 above 256 tokens left every eager step of 300 tokens, say, to compile);
-- skinny GEMM (gemv.py, bf16 weights at <= 16 rows): its config and BLOCK_M per row count;
+- skinny GEMM (gemv.py, gemv_configs.py; bf16 weights at <= 16 rows): its config and BLOCK_M per row count;
 - router (router_gemv.py, <= 16 rows): the plan and BLOCK_T;
 - act_quant (FP8 activations quantized apart): M's class.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlac.kernels.gemm import gemv
+from mlac.kernels.gemm import gemv_configs
 from mlac.kernels.gemm.fp8_gemm import gemm_variant, int_class, next_power_of_2
 from mlac.kernels.moe import router_gemv
 from mlac.kernels.moe.fused import moe_variants
@@ -61,7 +61,7 @@ def step_variants(t: int, shapes: StepShapes) -> list[tuple]:
     out: list[tuple] = [("fp8_gemm", n, k, *gemm_variant(t, n, k, shapes.sms)) for n, k in shapes.fp8_linears]
     if shapes.fp8_linears or (shapes.moe is not None and shapes.moe.fp8):  # where x is not an Fp8Act
         out.append(("act_quant", int_class(t)))
-    if t <= gemv.MAX_ROWS:
+    if t <= gemv_configs.MAX_ROWS:
         out += [("skinny", n, k, *_skinny(t, n, k, shapes.sms)) for n, k in shapes.dense_linears]
     moe = shapes.moe
     if moe is not None:
@@ -73,12 +73,12 @@ def step_variants(t: int, shapes: StepShapes) -> list[tuple]:
 
 def _skinny(m: int, n: int, k: int, sms: int) -> tuple:
     """The skinny GEMM's (config, BLOCK_M) for a bf16 weight [n, k] at m <= 16 rows; None where
-    cuBLAS runs instead (gemv.skinny_applies: TUNED says None)."""
-    key = ("bf16", n, k, gemv.m_class(m))
-    if key in gemv.TUNED and gemv.TUNED[key] is None:
+    cuBLAS runs instead (gemv_configs.skinny_applies: TUNED says None)."""
+    key = ("bf16", n, k, gemv_configs.m_class(m))
+    if key in gemv_configs.TUNED and gemv_configs.TUNED[key] is None:
         return (None,)
-    cfg = gemv.TUNED.get(key) or gemv.default_config("bf16", n, k, m, sms)
-    return cfg, gemv.MAX_ROWS if cfg.dot else next_power_of_2(m)
+    cfg = gemv_configs.TUNED.get(key) or gemv_configs.default_config("bf16", n, k, m, sms)
+    return cfg, gemv_configs.MAX_ROWS if cfg.dot else next_power_of_2(m)
 
 
 def warmup_token_counts(shapes: StepShapes, max_tokens: int) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 from mlac.core.fp8 import BLOCK, FP8
 from mlac.kernels import fp8_quant
 from mlac.kernels.fp8_quant import Fp8Act
-from mlac.kernels.gemm import fp8_gemm, gemv
+from mlac.kernels.gemm import fp8_gemm, gemv, gemv_configs
 from mlac.kernels.gemm.fp8_gemm import int_class
 from mlac.kernels.moe import align as moe_align
 from mlac.kernels.moe import decode as moe_decode
@@ -163,14 +163,14 @@ def launches(monkeypatch):
             if name.endswith("_kernel") and hasattr(obj, "arg_names"):
                 monkeypatch.setattr(mod, name, Recorder(name, obj, seen))
     yield seen
-    gemv.pick_config.cache_clear()  # configs planned for a patched SM count
+    gemv_configs.pick_config.cache_clear()  # configs planned for a patched SM count
 
 
 def on_sms(monkeypatch, sms: int) -> None:
-    """The wrappers plan for a GPU of `sms` SMs (gemv caches its configs: emptied both ways)."""
-    for mod in (fp8_gemm, gemv, moe_grouped, router_gemv):
+    """The wrappers plan for a GPU of `sms` SMs (gemv_configs caches its configs: emptied both ways)."""
+    for mod in (fp8_gemm, gemv_configs, moe_grouped, router_gemv):
         monkeypatch.setattr(mod, "sm_count", lambda device: sms)
-    gemv.pick_config.cache_clear()  # and again after the test (`launches`)
+    gemv_configs.pick_config.cache_clear()  # and again after the test (`launches`)
 
 
 def run_step(t: int, model: dict, fp8: bool) -> None:
@@ -181,7 +181,7 @@ def run_step(t: int, model: dict, fp8: bool) -> None:
         if fp8:
             scale = torch.empty(-(-n // BLOCK), -(-k // BLOCK), dtype=torch.float32, **meta)
             fp8_gemm.fp8_gemm(x, torch.empty(n, k, dtype=FP8, **meta), scale)
-        elif gemv.skinny_applies(x, w := torch.empty(n, k, dtype=torch.bfloat16, **meta), None):
+        elif gemv_configs.skinny_applies(x, w := torch.empty(n, k, dtype=torch.bfloat16, **meta), None):
             gemv.skinny_linear(x, w)
     e, top_k, d, i = model["moe"]
     x = torch.empty(t, d, dtype=torch.bfloat16, **meta)
