@@ -26,7 +26,7 @@ from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.core.fp8 import FP8
 from mlac.kernels.gemm.fp8_gemm import sm_count
-from mlac.kernels.gemm.gemv import DENSE_DTYPES
+from mlac.kernels.gemm.gemv_configs import DENSE_DTYPES
 from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
 from mlac.runtime.engine.constrain import Grammars
 from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, make_generator

@@ -51,7 +51,7 @@ import torch
 
 from mlac.core.errors import MlacError
 from mlac.kernels._triton import CaptureNeedsWarmup, triton
-from mlac.kernels.attention.mla_decode import decode_group_rows, prefer_row_groups, row_groups_host
+from mlac.kernels.attention.mla_decode_plan import decode_group_rows, prefer_row_groups, row_groups_host
 from mlac.runtime.kvcache.batch import ForwardBatch
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.model.attention import ROW_GROUPS
