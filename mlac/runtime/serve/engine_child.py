@@ -35,8 +35,9 @@ from mlac.runtime.dist.node_ranks import NodeRanks
 from mlac.runtime.dist.world import LaunchSpec
 from mlac.runtime.engine.sequence import Delta
 from mlac.runtime.serve.config import ServerConfig
+from mlac.runtime.serve.engine_errors import encode_error
 from mlac.runtime.serve.engine_start import GIL_SWITCH_INTERVAL_S, load_engine, log_to_stderr
-from mlac.runtime.serve.loop import EngineLoop, encode_error
+from mlac.runtime.serve.loop import EngineLoop
 from mlac.runtime.serve.metrics import MetricsRecorder
 
 log = logging.getLogger("mlac.server")

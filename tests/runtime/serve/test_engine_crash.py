@@ -20,7 +20,8 @@ from _paths import REPO
 
 from mlac.core.errors import MlacError
 from mlac.runtime.serve import ServerConfig, ServerThread, load_engine
-from mlac.runtime.serve.loop import EngineDead, EngineLoop, decode_error, encode_error
+from mlac.runtime.serve.engine_errors import EngineDead, decode_error, encode_error
+from mlac.runtime.serve.loop import EngineLoop
 from mlac.runtime.serve.metrics import MetricsRecorder
 
 MODEL = "tiny"

@@ -83,7 +83,7 @@ PIECES = ["<th", "ink>\nLet me", " think</th", "ink>\n\nPar", "is."]
 
 
 class ScriptedSubmission:
-    """Stands in for loop.Submission: submits nothing, answers every choice with PIECES."""
+    """Stands in for submission.Submission: submits nothing, answers every choice with PIECES."""
 
     def __init__(self, loop, seqs):
         self.seqs = seqs

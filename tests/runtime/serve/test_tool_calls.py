@@ -244,7 +244,7 @@ def test_server_config_checks_the_flags(tmp_path):
 
 
 class Script:
-    """Stands in for loop.Submission: submits nothing, answers each request with the next of
+    """Stands in for submission.Submission: submits nothing, answers each request with the next of
     `answers` (a list of text pieces) and records its sequences."""
 
     answers: list[list[str]] = []
