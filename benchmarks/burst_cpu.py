@@ -86,7 +86,7 @@ class MoeConfigs:
 
 def build(args, configs: MoeConfigs) -> Engine:
     sched = SchedulerConfig(overlap=args.overlap)
-    engine = Engine.from_artifact(args.artifact, dtype=torch.float32, verify=False, scheduler_config=sched)
+    engine = Engine.from_artifact(args.artifact, dtype=torch.float32, verify=False, scheduler=sched)
     if not args.no_graphs:
         buckets = [b for b in (1, 2, 4, 8, 16, 32, 48, 64, 128, 256)]
         engine.runner.graphs = DecodeGraphs(engine.runner.model, engine.cache, buckets, engine.max_context)

@@ -51,7 +51,7 @@ WATCHED = (  # (file suffix, function): the parts of a step's host work
 def engine(path: str, k: int, overlap: bool, accept: bool) -> tuple[Engine, list[bool]]:
     """A speculative engine whose ChainGraphs body stops running once `idle[0]` is set."""
     config = SchedulerConfig(speculative_num_steps=k, overlap=overlap)
-    eng = Engine.from_artifact(path, dtype=torch.float32, verify=False, scheduler_config=config)
+    eng = Engine.from_artifact(path, dtype=torch.float32, verify=False, scheduler=config)
     r = eng.runner
     r.graphs = DecodeGraphs(r.model, r.cache, BUCKETS, eng.max_context, keep_hidden=True)
     r.draft_graphs = DraftGraphs(r.model, r.cache, BUCKETS, eng.max_context)

@@ -214,9 +214,10 @@ def compile(model_dir, out_dir, fp8, tp, ep, dp_attention, kv_cache_dtype, cuda_
         _log(f"accuracy: skipped ({acc.reason})")
     click.echo(f"wrote {out_dir}")
     if then_prepare:
+        from mlac.runtime.engine.options import EngineOptions
         from mlac.tools.prepare import prepare as run_prepare
 
-        cache = run_prepare(out_dir, device="cuda", log=_log)
+        cache = run_prepare(out_dir, EngineOptions.of(device="cuda"), log=_log)
         click.echo(f"prepared {out_dir} for {cache.key}")
 
 
@@ -241,13 +242,13 @@ def prepare(out_dir, device, dtype, max_running_requests, chunked_prefill_size, 
     Atomic: an interrupted prepare leaves the artifact as it was. A server on a GPU of the same
     signature then compiles nothing. Preparing a target again replaces its cache.
     """
+    from mlac.runtime.engine.options import EngineOptions
     from mlac.runtime.worker.device import check_device
-    from mlac.tools.prepare import WarmupShapes
     from mlac.tools.prepare import prepare as run_prepare
 
-    shapes = WarmupShapes(dtype=dtype, max_running_requests=max_running_requests,
-                          chunked_prefill_size=chunked_prefill_size, cuda_graph_max_bs=cuda_graph_max_bs)  # fmt: skip
-    cache = run_prepare(out_dir, device=check_device(device), shapes=shapes, log=_log)
+    options = EngineOptions.of(device=check_device(device), dtype=dtype, max_running_requests=max_running_requests,
+                               chunked_prefill_size=chunked_prefill_size, cuda_graph_max_bs=cuda_graph_max_bs)  # fmt: skip
+    cache = run_prepare(out_dir, options, log=_log)
     click.echo(f"prepared {out_dir} for {cache.key}: {cache.files} files, {cache.bytes / 1e6:.1f} MB")
 
 
@@ -356,11 +357,10 @@ def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_
              speculative_algorithm, speculative_num_steps, disable_overlap_schedule):  # fmt: skip
     """Load an artifact and print a completion of --prompt."""
     launch = _early_launch(out_dir)
-    import torch
-
     from mlac.runtime.engine.constrain import GrammarSpec, InvalidGrammar
     from mlac.runtime.engine.engine import Engine
     from mlac.runtime.engine.generation_config import sampling_defaults
+    from mlac.runtime.engine.options import EngineOptions
     from mlac.runtime.engine.scheduler import SchedulerConfig
     from mlac.runtime.engine.spec.decode import num_steps_of
     from mlac.runtime.worker.device import check_device
@@ -368,14 +368,12 @@ def generate(out_dir, prompt, chat, chat_template, max_tokens, temperature, top_
     grammar = None if json_schema is None else GrammarSpec("json_schema", _read_json_schema(json_schema))
     sched = SchedulerConfig(speculative_num_steps=num_steps_of(speculative_algorithm, speculative_num_steps),
                             overlap=_overlap(disable_overlap_schedule))  # fmt: skip
-    engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
-                                  verify=not no_verify, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
-                                  max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                                  kernel_cache=_cache_mode(require_prepared), scheduler_config=sched,
-                                  launch=launch)  # fmt: skip
+    options = EngineOptions.of(device=check_device(device), dtype=dtype, verify=not no_verify, cuda_graph=cuda_graph,
+                               cuda_graph_max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
+                               gpu_memory_utilization=gpu_memory_utilization, kernel_cache=_cache_mode(require_prepared),
+                               scheduler=sched, chat_template=chat_template, launch=launch)  # fmt: skip
+    engine = Engine.from_artifact(out_dir, options)
     click.get_current_context().call_on_close(engine.close)  # and a multi-rank artifact's other ranks
-    if chat_template is not None:
-        engine.tokenizer.use_chat_template(chat_template)
     if chat:  # ids, not text: the template wrote bos, and encoding its text would add a second one
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     d = sampling_defaults(out_dir, generation_config)
@@ -435,9 +433,8 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
       mlac bench out/ --batch-sizes 1,32,256 --input-len 64 --output-len 64 --json bench.json
     """
     launch = _early_launch(out_dir)
-    import torch
-
     from mlac.runtime.engine.engine import Engine
+    from mlac.runtime.engine.options import EngineOptions
     from mlac.runtime.engine.scheduler import SchedulerConfig
     from mlac.runtime.worker.device import check_device
     from mlac.tools import bench as b
@@ -451,11 +448,11 @@ def bench(out_dir, batch_sizes, input_len, output_len, device, dtype, cuda_graph
     spec = num_steps_of(speculative_algorithm, speculative_num_steps)
     sched = SchedulerConfig(max_running_requests=max(sizes), chunked_prefill_size=max(2048, input_len),
                             speculative_num_steps=spec, overlap=_overlap(disable_overlap_schedule))  # fmt: skip
-    engine = Engine.from_artifact(out_dir, device=device, dtype=getattr(torch, dtype), verify=not no_verify,
-                                  num_blocks=num_blocks, scheduler_config=sched, cuda_graph=cuda_graph,
-                                  cuda_graph_max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
-                                  gpu_memory_utilization=gpu_memory_utilization,
-                                  kernel_cache=_cache_mode(require_prepared), launch=launch)  # fmt: skip
+    options = EngineOptions.of(device=device, dtype=dtype, verify=not no_verify, num_blocks=num_blocks, scheduler=sched,
+                               cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
+                               gpu_memory_utilization=gpu_memory_utilization,
+                               kernel_cache=_cache_mode(require_prepared), launch=launch)  # fmt: skip
+    engine = Engine.from_artifact(out_dir, options)
     with engine:
         bandwidth, results = b.bench(engine, sizes, input_len, output_len, progress=_log)
         click.echo(b.table(bandwidth, results))
@@ -509,19 +506,18 @@ def eval_(out_dir, text_path, context_len, stride, max_tokens, device, dtype, no
       mlac eval out/ --text held_out.txt --context-len 1024 --stride 512 --json ppl.json
     """
     launch = _early_launch(out_dir)
-    import torch
-
     from mlac.core.artifact import artifact_identity
     from mlac.runtime.engine import perplexity as ppl
     from mlac.runtime.engine.engine import Engine
+    from mlac.runtime.engine.options import EngineOptions
     from mlac.runtime.worker.device import check_device
     from mlac.tools import evaluate as ev
 
     text = ev.read_text(text_path)
-    engine = Engine.from_artifact(out_dir, device=check_device(device), dtype=getattr(torch, dtype),
-                                  verify=not no_verify, cuda_graph=False, max_model_len=max_model_len,
-                                  gpu_memory_utilization=gpu_memory_utilization,
-                                  kernel_cache=_cache_mode(require_prepared), launch=launch)  # fmt: skip
+    options = EngineOptions.of(device=check_device(device), dtype=dtype, verify=not no_verify, cuda_graph=False,
+                               max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                               kernel_cache=_cache_mode(require_prepared), launch=launch)  # fmt: skip
+    engine = Engine.from_artifact(out_dir, options)
     with engine:
         ids, n_bytes = ev.encode_text(engine, text, max_tokens)
         if context_len is None:
@@ -685,10 +681,8 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
     from mlac.runtime.serve import serve as run_server
     from mlac.runtime.worker.device import check_device
 
-    if num_blocks is not None and kv_cache_bytes is not None:
-        raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
     device = check_device(device)
-    config = ServerConfig(
+    config = ServerConfig.of(
         artifact=out_dir, host=host, port=port, api_key=api_key_from_env(api_key), device=device, dtype=dtype,
         scheduler=SchedulerConfig(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
                                   prefix_cache=not disable_radix_cache, overlap=_overlap(disable_overlap_schedule),
@@ -697,7 +691,7 @@ def serve(out_dir, host, port, api_key, device, dtype, max_running_requests, chu
         served_model_name=served_model_name, launch=launch, max_body_bytes=max_body_bytes,
         request_body_timeout=request_body_timeout, warmup=warmup, verify=not no_verify, cuda_graph=cuda_graph,
         cuda_graph_max_bs=cuda_graph_max_bs, gpu_memory_utilization=gpu_memory_utilization, dp_attention=dp_attention,
-        max_model_len=max_model_len, process_start=PROCESS_START, require_prepared=require_prepared,
+        max_model_len=max_model_len, process_start=PROCESS_START, kernel_cache=_cache_mode(require_prepared),
         chat_template=chat_template, generation_config=generation_config, reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
         log_requests=log_requests, log_stats=not disable_log_stats, log_stats_interval=log_stats_interval,

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn), one concern per module:
 
-    config.py     ServerConfig: everything `mlac serve` is told, and the request limits
+    config.py     ServerConfig: everything `mlac serve` is told (the HTTP side, and the engine's
+                  EngineOptions passed down whole), and the request limits
     protocol.py   request bodies (pydantic, strict types), their validation, OpenAI's error shape
     body.py       reading a request body: size, read deadline, JSON nesting depth, valid UTF-8
     loop.py       the engine thread (EngineLoop): loads the model, runs scheduler steps

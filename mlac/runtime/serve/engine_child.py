@@ -101,7 +101,7 @@ def run(
     channel, metrics = Channel(conn), MetricsRecorder()
     stats_interval = config.log_stats_interval if config.log_stats else None
     if ranks is not None:
-        config = replace(config, launch=replace(config.launch or LaunchSpec(), ranks=ranks))
+        config = config.updated(launch=replace(config.engine.launch or LaunchSpec(), ranks=ranks))
     load = _closing(load or (lambda: load_engine(config)), ranks)
     loop = EngineLoop(load, metrics, config.max_unfinished, config.log_requests, stats_interval,
                       PipeOutlet(channel, metrics))  # fmt: skip

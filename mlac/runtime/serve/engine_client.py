@@ -104,8 +104,8 @@ def load_tokenizer(config: ServerConfig) -> Tokenizer | None:
     if not (tok_dir / "tokenizer.json").is_file():
         return None
     tokenizer = Tokenizer(tok_dir)
-    if config.chat_template is not None:
-        tokenizer.use_chat_template(config.chat_template)
+    if config.engine.chat_template is not None:
+        tokenizer.use_chat_template(config.engine.chat_template)
     return tokenizer
 
 
@@ -276,5 +276,5 @@ def start_engine(
     config: ServerConfig, metrics: Metrics, log_level: str, process: Any = None, load: Any = None
 ) -> EngineClient:
     """An EngineClient over `process` (an EngineProcess started early), or over one started now."""
-    process = process or EngineProcess.start(config.artifact, config.launch)
+    process = process or EngineProcess.start(config.artifact, config.engine.launch)
     return EngineClient(process, config, metrics, log_level, load)

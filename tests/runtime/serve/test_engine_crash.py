@@ -37,7 +37,7 @@ def art(artifact) -> Path:
 def config(art: Path, engine_process: bool, **kw) -> ServerConfig:
     base = dict(artifact=art, dtype="float32", verify=False, served_model_name=MODEL,
                 engine_process=engine_process, drain_timeout=5.0)  # fmt: skip
-    return ServerConfig(**{**base, **kw})
+    return ServerConfig.of(**{**base, **kw})
 
 
 class CrashingScheduler:

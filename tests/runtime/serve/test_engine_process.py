@@ -39,7 +39,7 @@ def art(artifact) -> Path:
 def config(art: Path, **kw) -> ServerConfig:
     base = dict(artifact=art, dtype="float32", verify=False, served_model_name=MODEL, engine_process=True,
                 drain_timeout=5.0)  # fmt: skip
-    return ServerConfig(**{**base, **kw})
+    return ServerConfig.of(**{**base, **kw})
 
 
 def samples(url: str) -> dict[str, float]:
