@@ -256,7 +256,7 @@ def test_log_level_gives_mlac_loggers_a_handler(capsys):
 
 
 def test_every_serve_flag_is_documented():
-    from mlac.cli import serve
+    from mlac.cli.serve import serve
 
     text = DOC.read_text()
     flags = [o for p in serve.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)]
