@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_decode import oracle, prompts, run
 from test_spec_chain import graph_engine
+from test_spec_decode import oracle, prompts, run
 
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.engine.sampling import SamplingParams
