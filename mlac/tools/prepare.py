@@ -1,8 +1,9 @@
 """`mlac prepare`: add this GPU's compile caches to an existing artifact, atomically.
 
-On a GPU, the artifact's engine is built as the server builds it (CUDA graphs captured for every
-decode bucket) and warmed up (Engine.warmup: the prefill and decode shapes), with Triton's cache
-directory pointed at a fresh empty one: every kernel variant the server meets is compiled there.
+On a GPU, the artifact's engine is built as the server builds it, from the same EngineOptions
+(CUDA graphs captured for every decode bucket), and warmed up (Engine.warmup: the prefill and
+decode shapes), with Triton's cache directory pointed at a fresh empty one: every kernel variant
+the server meets is compiled there.
 That directory becomes cache/<key>/triton/ of the artifact (artifact.target_key), its files hashed
 into manifest.files and the target recorded in manifest.caches (artifact.KernelCache). Preparing
 a target again replaces its cache; the other targets' caches stay.
@@ -24,7 +25,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from mlac.core.artifact import (
@@ -42,35 +42,24 @@ from mlac.core.artifact import (
 )
 from mlac.core.atomic import remove_stale_tmp, tmp_dir
 from mlac.core.errors import MlacError
+from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.worker.kernel_cache import is_group, portable_group, triton_cache_dir
 from mlac.runtime.worker.target import current_target
 
 Log = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class WarmupShapes:
-    """The server settings that decide which kernel variants exist (`mlac serve`'s defaults):
-    a server started with other values may meet variants that the cache does not hold."""
-
-    dtype: str = "bfloat16"
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048
-    cuda_graph_max_bs: int = 256
-
-
-def warm_kernels(root: Path, device: str, cache_dir: Path, shapes: WarmupShapes) -> None:
-    """Build the engine as the server does (CUDA graphs: every bucket captured) and warm it up, so
-    that Triton compiles every kernel variant into its cache directory (`cache_dir`, already set)."""
+def warm_kernels(root: Path, cache_dir: Path, options: EngineOptions) -> None:
+    """Build the engine as the server does with `options` (CUDA graphs: every bucket captured) and
+    warm it up, so that Triton compiles every kernel variant into its cache directory (`cache_dir`,
+    already set). The options that decide which variants exist are the server's: its dtype,
+    max_running_requests, chunked_prefill_size and cuda_graph_max_bs; a server started with other
+    values may meet variants that the cache does not hold."""
     import torch
 
     from mlac.runtime.engine.engine import Engine
-    from mlac.runtime.engine.scheduler import SchedulerConfig
 
-    sched = SchedulerConfig(max_running_requests=shapes.max_running_requests,
-                            chunked_prefill_size=shapes.chunked_prefill_size)  # fmt: skip
-    with Engine.from_artifact(root, device=device, dtype=getattr(torch, shapes.dtype), scheduler_config=sched,
-                              cuda_graph_max_bs=shapes.cuda_graph_max_bs, kernel_cache="off") as engine:  # fmt: skip
+    with Engine.from_artifact(root, options, kernel_cache="off") as engine:
         engine.warmup()
         torch.cuda.synchronize()
     # NOTE: the engine sized its KV cache as a server would (most of the GPU): give it all back, so that
@@ -82,14 +71,16 @@ def warm_kernels(root: Path, device: str, cache_dir: Path, shapes: WarmupShapes)
 
 def prepare(
     root: str | Path,
-    device: str = "cuda",
-    shapes: WarmupShapes | None = None,
+    options: EngineOptions | None = None,
     log: Log = lambda msg: None,
-    warm: Callable[[Path, str, Path, WarmupShapes], None] | None = None,
+    warm: Callable[[Path, Path, EngineOptions], None] | None = None,
 ) -> KernelCache:
-    """Compile every kernel the server meets on `device` into the artifact at `root` (module
-    docstring); return the cache's manifest entry. MlacError: not an artifact, or no GPU."""
+    """Compile every kernel the server meets on `options.runtime.device` (default: the server's
+    options on "cuda") into the artifact at `root` (module docstring); return the cache's manifest
+    entry. MlacError: not an artifact, or no GPU."""
     root = Path(root)
+    options = options or EngineOptions.of(device="cuda")
+    device = options.runtime.device
     manifest = Manifest.load(root)
     check_identity(root, manifest)
     target = current_target(device)
@@ -108,7 +99,7 @@ def prepare(
             triton_cache_dir(Path(compiled)),
         ):
             log(f"compiling the kernels of {target.label()} (CUDA graphs, warm-up) ...")
-            (warm or warm_kernels)(root, device, Path(compiled), shapes or WarmupShapes())
+            (warm or warm_kernels)(root, Path(compiled), options)
             files = store_cache(Path(compiled), tmp / "triton", cache_path(key))
         cache = KernelCache(key=key, signature=target, path=cache_path(key), files=len(files),
                             bytes=sum(f.size for f in files))  # fmt: skip

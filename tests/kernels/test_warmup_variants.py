@@ -252,7 +252,7 @@ def test_after_the_warmup_eager_steps_of_any_size_compile_nothing(tmp_path):
     ckpt = synthesize(tmp_path / "ckpt", config_path=tmp_path / "config.json")
     compile_checkpoint(ckpt, tmp_path / "art", CompileOptions(fp8=True))
     limits = SchedulerConfig(max_running_requests=8, chunked_prefill_size=2048)
-    engine = Engine.from_artifact(tmp_path / "art", device="cuda", scheduler_config=limits)
+    engine = Engine.from_artifact(tmp_path / "art", device="cuda", scheduler=limits)
     engine.warmup()
     vocab = engine.config.vocab_size
     with JitCompiles() as jit:
