@@ -135,7 +135,7 @@ def in_process(args, plan: dict) -> dict[int, dict[str, list[float]]]:
     from mlac.runtime.engine.sampling import SamplingParams
     from mlac.runtime.serve import ServerConfig, load_engine
 
-    config = ServerConfig(artifact=args.artifact, device=args.device, dtype=args.dtype, verify=False)
+    config = ServerConfig.of(artifact=args.artifact, device=args.device, dtype=args.dtype, verify=False)
     engine = load_engine(config)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     try:

@@ -79,8 +79,8 @@ def main() -> None:
     from mlac.runtime.serve.config import ServerConfig
     from mlac.runtime.serve.engine_start import load_engine
 
-    config = ServerConfig(
-        artifact=args.artifact, device=args.device, verify=args.verify, require_prepared=True
+    config = ServerConfig.of(
+        artifact=args.artifact, device=args.device, verify=args.verify, kernel_cache="require"
     )
     profile = cProfile.Profile()
     t0 = time.perf_counter()

@@ -84,7 +84,7 @@ def load(art: Path, max_batch: int, gpu_step_ms: float):
     from mlac.runtime.engine.scheduler import SchedulerConfig
 
     config = SchedulerConfig(max_running_requests=max_batch)
-    engine = Engine.from_artifact(art, dtype=torch.float32, verify=False, scheduler_config=config)
+    engine = Engine.from_artifact(art, dtype=torch.float32, verify=False, scheduler=config)
     if gpu_step_ms > 0:
         engine.runner = WaitRunner(engine.runner, gpu_step_ms / 1000, engine.config.vocab_size, max_batch)
     return engine
@@ -116,7 +116,7 @@ def over_http_here(args, art: Path, ids: list[list[int]], clients) -> dict:
     from mlac.runtime.engine.scheduler import SchedulerConfig
     from mlac.runtime.serve import ServerConfig, ServerThread
 
-    config = ServerConfig(artifact=art, dtype="float32", verify=False, served_model_name="tiny",
+    config = ServerConfig.of(artifact=art, dtype="float32", verify=False, served_model_name="tiny",
                           scheduler=SchedulerConfig(max_running_requests=len(ids)), max_queue=len(ids),
                           engine_process=not args.engine_thread)  # fmt: skip
     with ServerThread(config, load=functools.partial(load, art, len(ids), args.gpu_step_ms)) as srv:

@@ -64,7 +64,7 @@ def wrap_body(obj, counter: Counter) -> None:
 
 def measure(path: str, batch: int, k: int, chain: bool, steps: int) -> dict:
     config = SchedulerConfig(speculative_num_steps=k, overlap=False)
-    eng = Engine.from_artifact(path, dtype=torch.float32, verify=False, scheduler_config=config)
+    eng = Engine.from_artifact(path, dtype=torch.float32, verify=False, scheduler=config)
     r, counter = eng.runner, Counter()
     r.graphs = DecodeGraphs(r.model, r.cache, BUCKETS, eng.max_context, keep_hidden=k > 0)
     wrap_body(r.graphs, counter)

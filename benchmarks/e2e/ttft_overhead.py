@@ -244,7 +244,7 @@ def http_ttft(port: int, prompts: list[list[int]], stream: bool, stamp=None) -> 
 def server_config(art: Path):
     from mlac.runtime.serve import ServerConfig
 
-    return ServerConfig(
+    return ServerConfig.of(
         artifact=art, dtype="float32", verify=False, served_model_name="tiny", engine_process=True
     )
 

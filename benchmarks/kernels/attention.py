@@ -30,8 +30,9 @@ from triton.testing import do_bench  # noqa: E402
 
 from mlac.kernels.attention.extend import default_config as extend_default  # noqa: E402
 from mlac.kernels.attention.extend import extend_attention_ref, extend_attention_triton  # noqa: E402
-from mlac.kernels.attention.mla_decode import choose_num_splits, mla_decode_ref, mla_decode_triton  # noqa: E402
-from mlac.kernels.attention.mla_decode import default_config as decode_default  # noqa: E402
+from mlac.kernels.attention.mla_decode import mla_decode_ref, mla_decode_triton  # noqa: E402
+from mlac.kernels.attention.mla_decode_plan import choose_num_splits  # noqa: E402
+from mlac.kernels.attention.mla_decode_plan import default_config as decode_default  # noqa: E402
 from mlac.runtime.model.attention import extend_absorbed, extend_mha, prefer_absorbed  # noqa: E402
 
 KV_LORA, ROPE, PAGE = 512, 64, 64

@@ -30,8 +30,9 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from mlac.core.fp8 import dequantize_blocks, expand_block_scale  # noqa: E402
 from mlac.kernels.gemm import fp8_gemm as G  # noqa: E402
-from mlac.kernels.moe import grouped as M  # noqa: E402
+from mlac.kernels.moe import fused as M  # noqa: E402
 from mlac.kernels.moe import routing as R  # noqa: E402
+from mlac.kernels.moe.grouped import MoeConfig, pick_moe_config  # noqa: E402
 
 DEV = "cuda"
 L2_ROTATE_BYTES = 256 << 20  # rotate inputs until one pass over them is ~4x the 60 MB L2
@@ -198,26 +199,26 @@ MOE_CASES = [  # name, E, top_k, D, I, fp8, T, target fraction (copy BW on touch
 ]
 
 
-def moe_candidates(t: int, top_k: int, e: int, fp8: bool) -> list[M.MoeConfig]:
+def moe_candidates(t: int, top_k: int, e: int, fp8: bool) -> list[MoeConfig]:
     rows = t * top_k / e
     if rows <= 24:
         if fp8:
             return [
-                M.MoeConfig(16, 128, bn2, 128, num_warps=4, num_stages=st, split_k=sk)
+                MoeConfig(16, 128, bn2, 128, num_warps=4, num_stages=st, split_k=sk)
                 for bn2, st, sk in [(64, 4, 1), (128, 4, 1), (128, 3, 1), (256, 4, 1), (128, 5, 1)]
                 + [(128, 4, 0), (128, 4, 2), (128, 4, 4), (128, 4, 8)]  # split-K: 0 = split_k_for
             ]
         return [
-            M.MoeConfig(16, bn1, bn2, 128, num_warps=4, num_stages=st)
+            MoeConfig(16, bn1, bn2, 128, num_warps=4, num_stages=st)
             for bn1, bn2, st in [(64, 64, 4), (32, 32, 4), (64, 128, 4)]
         ]
     if fp8:
         return [
-            M.MoeConfig(64, 128, 128, 128, num_warps=8, num_stages=3),
-            M.MoeConfig(32, 128, 128, 128, num_warps=4, num_stages=3),
+            MoeConfig(64, 128, 128, 128, num_warps=8, num_stages=3),
+            MoeConfig(32, 128, 128, 128, num_warps=4, num_stages=3),
         ]
     return [
-        M.MoeConfig(bm, bn1, bn2, bk, num_warps=w, num_stages=st)
+        MoeConfig(bm, bn1, bn2, bk, num_warps=w, num_stages=st)
         for bm, bn1, bn2, bk, w, st in [
             (128, 128, 128, 64, 8, 3),
             (64, 128, 128, 64, 8, 3),
@@ -265,7 +266,7 @@ def bench_moe(case, ceil: dict, quick: bool) -> dict:
     ref_linear, M.fp8_linear_ref = M.fp8_linear_ref, ref64  # exact expert products in the reference
     ref = M.fused_moe_ref(*calls[0])
     M.fp8_linear_ref = ref_linear
-    default = M.pick_moe_config(t * top_k, e, fp8)
+    default = pick_moe_config(t * top_k, e, fp8)
     cands = [default] + [c for c in moe_candidates(t, top_k, e, fp8) if c != default]
     if quick:
         cands = cands[:2]

@@ -15,7 +15,7 @@ copy bandwidth measured in the same run (read + write). Every skinny result is c
 reference (rel_err). Kernels are compiled first by `--jobs` worker processes into Triton's disk cache.
 
 The end of the output is a block of `TUNED` lines, the best config per (kind, N, K, m_class), ready
-to paste into the skinny GEMM's TUNED table (mlac/kernels/gemm/).
+to paste into mlac/kernels/gemm/gemv_configs.py.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from timing import copy_gbps as gpu_copy_gbps  # noqa: E402
 
 from mlac.kernels.fp8_quant import Fp8Act, act_quant  # noqa: E402
 from mlac.kernels.gemm import fp8_gemm as G  # noqa: E402
-from mlac.kernels.gemm import gemv  # noqa: E402
+from mlac.kernels.gemm import gemv, gemv_configs  # noqa: E402
 
 DEV = "cuda"
 SHAPES = {  # name: (N, K)
@@ -59,14 +59,14 @@ SHAPES = {  # name: (N, K)
 MS = (1, 2, 4, 8, 16)
 ROTATE_BYTES = 192 << 20  # weight copies per graph: together ~4x the H200's L2
 MIN_CALLS, TOTAL_CALLS = 20, 400  # calls per graph (at least), calls timed per measurement (about)
-C = gemv.SkinnyConfig
+C = gemv_configs.SkinnyConfig
 
 
-def candidates(kind: str, n: int, k: int, m: int, sms: int, quick: bool) -> list[gemv.SkinnyConfig]:
+def candidates(kind: str, n: int, k: int, m: int, sms: int, quick: bool) -> list[gemv_configs.SkinnyConfig]:
     """default_config first, then tiles around it: CUDA-core ones up to M = 4, tensor-core ones at
     every M; each at the rule's split and at twice it."""
     fp8 = kind == "fp8"
-    cands = [gemv.default_config(kind, n, k, m, sms)]
+    cands = [gemv_configs.default_config(kind, n, k, m, sms)]
     if m <= 4:
         rows = [(32, 128, 4), (64, 128, 4), (16, 128, 4), (64, 128, 8)] if fp8 else []
         if not fp8:
@@ -83,7 +83,7 @@ def candidates(kind: str, n: int, k: int, m: int, sms: int, quick: bool) -> list
     out = []
     for c in cands:
         k_steps = -(-k // c.block_k)
-        split = gemv.split_for(-(-n // c.block_n), k_steps, sms)
+        split = gemv_configs.split_for(-(-n // c.block_n), k_steps, sms)
         out += [replace(c, split_k=s) for s in (split, 2 * split) if s <= k_steps]
     out = list(dict.fromkeys(out))
     return out[:3] if quick else out
@@ -119,7 +119,7 @@ class Case:
         )
         return w + self.m * self.k * 2 + self.m * self.n * 2
 
-    def call(self, impl: str, cfg: gemv.SkinnyConfig | None, i: int) -> torch.Tensor:
+    def call(self, impl: str, cfg: gemv_configs.SkinnyConfig | None, i: int) -> torch.Tensor:
         x, w, s = self.xs[i], self.ws[i], self.ss[i]
         if impl == "cublas":
             return F.linear(x, w)
@@ -132,7 +132,7 @@ class Case:
         raise ValueError(impl)
 
 
-def time_calls(case: Case, impl: str, cfg: gemv.SkinnyConfig | None) -> float:
+def time_calls(case: Case, impl: str, cfg: gemv_configs.SkinnyConfig | None) -> float:
     """Microseconds per call: a graph of max(20, rot) calls over the rotated copies, replayed
     between CUDA events until about TOTAL_CALLS calls."""
     calls = max(MIN_CALLS, case.rot)
@@ -257,7 +257,7 @@ def tuned_lines(records: list[dict]) -> list[str]:
     (only configs measured at all of them)."""
     groups: dict[tuple, dict[str, list]] = {}
     for r in records:
-        key = (r["kind"], r["n"], r["k"], gemv.m_class(r["m"]))
+        key = (r["kind"], r["n"], r["k"], gemv_configs.m_class(r["m"]))
         by_cfg = groups.setdefault(key, {})
         for s in r["sweep"]:
             if "us" in s:
@@ -311,7 +311,7 @@ def main() -> None:
     print(table(records))
     print("\n" + summary(records))
     lines = tuned_lines(records)
-    print("\n# paste into the skinny GEMM's TUNED table (mlac/kernels/gemm/):\n" + "\n".join(lines))
+    print("\n# paste into mlac/kernels/gemm/gemv_configs.py TUNED:\n" + "\n".join(lines))
     print(f"\nwall {time.time() - t0:.1f} s", file=sys.stderr)
     if args.out:
         meta = dict(

@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from timing import copy_gbps, graph_us  # noqa: E402
 
-from mlac.kernels.attention.mla_decode import (  # noqa: E402
+from mlac.kernels.attention.mla_decode import mla_decode_triton  # noqa: E402
+from mlac.kernels.attention.mla_decode_plan import (  # noqa: E402
     decode_group_rows,
     decode_num_splits,
-    mla_decode_triton,
     prefer_row_groups,
     row_groups,
 )

@@ -5,8 +5,8 @@
 
 Routed experts (the default): the grouped GEMMs against the decode GEMVs (mlac/kernels/moe/).
 Shapes: V2-Lite (E=64, top-6, H=2048, I=1408) and a 32-expert slice of V3 (H=7168, I=2048, top-8),
-bf16 and block-FP8, T in {1, 4, 8, 32} tokens. Per shape it times the grouped-GEMM path
-(`pick_moe_config`), the decode kernel's default (`pick_moe_decode_config`) and a sweep of decode
+bf16 and block-FP8, T in {1, 4, 8, 32} tokens. Per shape it times the grouped-GEMM path (moe/grouped.py,
+`pick_moe_config`), the decode kernel's default (`pick_moe_decode_config`) and a sweep of decode
 configs, each as a whole `fused_moe` call (align/quant, GEMMs, top-k reduce). The end of the output
 has one ready-to-paste line per shape with the best decode config.
 
@@ -40,11 +40,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from timing import copy_gbps, graph_us  # noqa: E402
 
+from mlac.core.fp8 import FP8  # noqa: E402
 from mlac.kernels.fp8_quant import Fp8Act  # noqa: E402
 from mlac.kernels.gemm.fp8_gemm import quantize_act_ref  # noqa: E402
-from mlac.kernels.moe import decode as MD  # noqa: E402
-from mlac.kernels.moe import grouped as M  # noqa: E402
+from mlac.kernels.moe import decode_config as MD  # noqa: E402
+from mlac.kernels.moe import fused as M  # noqa: E402
 from mlac.kernels.moe import routing as R  # noqa: E402
+from mlac.kernels.moe.grouped import pick_moe_config  # noqa: E402
+from mlac.kernels.moe.shared import SharedExperts  # noqa: E402
 from mlac.runtime.model.layers import Weights  # noqa: E402
 from mlac.runtime.model.model import MLP  # noqa: E402
 
@@ -68,8 +71,8 @@ def make_weights(e: int, h: int, i: int, fp8: bool):
         w13 = torch.randn(e, 2 * i, h, device=DEV, dtype=torch.bfloat16) / h**0.5
         w2 = torch.randn(e, h, i, device=DEV, dtype=torch.bfloat16) / i**0.5
         return w13, w2, None, None
-    w13 = (torch.randn(e, 2 * i, h, device=DEV) * 64).clamp_(-448, 448).to(M.FP8)
-    w2 = (torch.randn(e, h, i, device=DEV) * 64).clamp_(-448, 448).to(M.FP8)
+    w13 = (torch.randn(e, 2 * i, h, device=DEV) * 64).clamp_(-448, 448).to(FP8)
+    w2 = (torch.randn(e, h, i, device=DEV) * 64).clamp_(-448, 448).to(FP8)
     s13 = (torch.rand(e, -(-2 * i // 128), -(-h // 128), device=DEV) + 0.5) * (0.02 / h**0.5)
     s2 = (torch.rand(e, -(-h // 128), -(-i // 128), device=DEV) + 0.5) * (0.02 / i**0.5)
     return w13, w2, s13, s2
@@ -150,7 +153,7 @@ def bench_shape(name, e, top_k, h, i, fp8, t, copy, deadline, quick) -> dict:
         }
 
     a0 = calls[0]
-    grouped_cfg = M.pick_moe_config(p, e, fp8)
+    grouped_cfg = pick_moe_config(p, e, fp8)
     grouped = M.fused_moe(
         a0[0], a0[1], a0[2], a0[5], a0[6], a0[3], a0[4], use_triton=True, config=grouped_cfg
     )
@@ -158,7 +161,7 @@ def bench_shape(name, e, top_k, h, i, fp8, t, copy, deadline, quick) -> dict:
     res["distinct_experts_mean"] = sum(touched) / len(touched)
     res["touched_MB"] = mean_bytes / 1e6
     res["grouped"] = row("grouped (pick_moe_config)", grouped_cfg)
-    default = M.pick_moe_decode_config(p, e, fp8)
+    default = MD.pick_moe_decode_config(p, e, fp8)
     rows = []
     cands = ([default] if default else []) + ([] if quick else sweep(t, top_k, e))
     for cfg in dict.fromkeys(cands):
@@ -211,7 +214,7 @@ def rand_weight(lead: tuple[int, ...], n: int, k: int, fp8: bool):
     """(weight [*lead, n, k], block scales or None)."""
     if not fp8:
         return (torch.randn(*lead, n, k, device=DEV) / k**0.5).to(torch.bfloat16), None
-    w = (torch.randn(*lead, n, k, device=DEV) * 64).clamp_(-448, 448).to(M.FP8)
+    w = (torch.randn(*lead, n, k, device=DEV) * 64).clamp_(-448, 448).to(FP8)
     return w, (torch.rand(*lead, -(-n // 128), -(-k // 128), device=DEV) + 0.5) * (0.02 / k**0.5)
 
 
@@ -223,7 +226,7 @@ def make_layer(e: int, h: int, i: int, n_shared: int, fp8: bool):
     sw2, ss2 = rand_weight((), h, n_shared * i, fp8)
     tensors = {"s.w13": sw13, "s.w2": sw2} | ({"s.w13.scale": ss13, "s.w2.scale": ss2} if fp8 else {})
     mlp = MLP(Weights(tensors), "s", reduce=False)
-    shared = M.SharedExperts(sw13, sw2, ss13, ss2, lambda x, x_act: mlp(x_act if x_act is not None else x))
+    shared = SharedExperts(sw13, sw2, ss13, ss2, lambda x, x_act: mlp(x_act if x_act is not None else x))
     return (w13, w2, s13, s2), mlp, shared
 
 

@@ -179,6 +179,13 @@ def compile_checkpoint(
         return _commit(w, manifest.model_copy(update={"accuracy": report}))
 
 
+def progress_bytes(ckpt: Checkpoint) -> int:
+    """What compile_checkpoint's `progress` counts to: the tensor bytes the passes read, and every
+    source file's bytes hashed for the provenance."""
+    files = source_files(ckpt) + [n for n in TOKENIZER_FILES if (ckpt.dir / n).is_file()]
+    return ckpt.total_bytes + sum((ckpt.dir / rel).stat().st_size for rel in files)
+
+
 def source_files(ckpt: Checkpoint) -> list[str]:
     """The checkpoint's files that a compile reads: config, index, weight shards (relative paths)."""
     index = [INDEX] if ckpt.index_sha256 is not None else []

@@ -59,8 +59,8 @@ LADDER_HEAD = (1, 2, 4, 8)  # then multiples of LADDER_STEP
 LADDER_STEP = 16
 SAFETY_FACTOR = 2.0
 HIDDEN_COPIES = 4
-MAX_SPLITS = 64  # the most split-KV chunks mla_decode.choose_num_splits picks
-MOE_BLOCK_M = 128  # the largest per-expert padding unit moe.pick_moe_config picks
+MAX_SPLITS = 64  # the most split-KV chunks mla_decode_plan.choose_num_splits picks
+MOE_BLOCK_M = 128  # the largest per-expert padding unit grouped.pick_moe_config picks
 # Mirrors of mlac.runtime.engine.scheduler.SchedulerConfig defaults (core does not import the runtime;
 # tests/test_buckets.py checks that they agree).
 PREFILL_TOKENS = 2048  # chunked_prefill_size

@@ -28,6 +28,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def human_count(unit: str):
+    """A formatter of plain counts ("12,345 tokens") for a Progress over something else than bytes."""
+    return lambda n: f"{n:,.0f} {unit}"
+
+
 def human_seconds(s: float) -> str:
     s = int(round(s))
     return (
@@ -49,8 +54,10 @@ class Progress:
         stream: TextIO | None = None,
         interval: float = INTERVAL_S,
         terminal: bool | None = None,
+        unit: str = "bytes",
     ):
         self.total, self.label, self.done = max(int(total), 0), label, 0
+        self.fmt = human_bytes if unit == "bytes" else human_count(unit)
         self.stream = stream if stream is not None else sys.stderr
         self.terminal = self.stream.isatty() if terminal is None else terminal
         self.interval = REDRAW_S if self.terminal else interval
@@ -81,10 +88,10 @@ class Progress:
         elapsed = max(time.monotonic() - self._start, 1e-9)
         done, total = self.done, self.total
         rate = done / elapsed
-        parts = [f"{self.label}: {human_bytes(done)}"]
+        parts = [f"{self.label}: {self.fmt(done)}"]
         if total:
-            parts[0] += f" of {human_bytes(total)} ({100 * min(done / total, 1):.1f}%)"
-        parts.append(f"{human_bytes(rate)}/s")
+            parts[0] += f" of {self.fmt(total)} ({100 * min(done / total, 1):.1f}%)"
+        parts.append(f"{self.fmt(rate)}/s")
         if total and rate > 0 and done < total:
             parts.append(f"ETA {human_seconds((total - done) / rate)}")
         elif done >= total:

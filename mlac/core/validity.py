@@ -113,6 +113,16 @@ def check_artifact(
     return check
 
 
+def verify_bytes(root: str | Path) -> int:
+    """The bytes check_artifact(root, hashes=True) reads: the present ranks' and shared files, and
+    every unit's (for its progress). Cheap: the manifests and folder listings only."""
+    root = Path(root)
+    m = Manifest.load(root)
+    ranks = [r for r in range(m.plan.world_size) if (root / m.rank_dir(r)).is_dir()]
+    units = sum(load_unit(folder).bytes for folder in unit_folders(root).values())
+    return sum(f.size for f in present_files(m, ranks)) + units
+
+
 # ---- the parts, each usable alone ----------------------------------------------------------------
 
 

@@ -6,14 +6,14 @@ variant per set of constexprs and per class of each integer argument not marked 
 (fp8_gemm.int_class). Several wrappers pick constexprs from the step's token count t, not only from
 the weights' shapes:
 
-- grouped MoE (moe.moe_variants): the tile config from the rows per expert, and with FP8 the K split
+- MoE (fused.moe_variants): the tile config from the rows per expert, and with FP8 the K split
   of each GEMM (`split_k_for`, from the tile count, so from t: V3 on 132 SMs splits GEMM1 in 2 at 2
   tokens only, narrower experts or fewer SMs split 2-8 ways over wider ranges), the top-k reduce's
   BLOCK_T, the one-token decode GEMVs;
 - dense FP8 GEMM (fp8_gemm.gemm_variant, per weight shape): BLOCK_M = next power of two of M up to
   64 (decode tiles), then two prefill configs; and M itself (not `dynamic`): "1", "16", "any" (a
   warm-up of multiples of 16 above 256 tokens left every eager step of 300 tokens, say, to compile);
-- skinny GEMM (gemv.py, bf16 weights at <= 16 rows): its config and BLOCK_M per row count;
+- skinny GEMM (gemv.py, gemv_configs.py; bf16 weights at <= 16 rows): its config and BLOCK_M per row count;
 - router (router_gemv.py, <= 16 rows): the plan and BLOCK_T;
 - act_quant (FP8 activations quantized apart): M's class.
 
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlac.kernels.gemm import gemv
+from mlac.kernels.gemm import gemv_configs
 from mlac.kernels.gemm.fp8_gemm import gemm_variant, int_class, next_power_of_2
 from mlac.kernels.moe import router_gemv
-from mlac.kernels.moe.grouped import moe_variants
+from mlac.kernels.moe.fused import moe_variants
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def step_variants(t: int, shapes: StepShapes) -> list[tuple]:
     out: list[tuple] = [("fp8_gemm", n, k, *gemm_variant(t, n, k, shapes.sms)) for n, k in shapes.fp8_linears]
     if shapes.fp8_linears or (shapes.moe is not None and shapes.moe.fp8):  # where x is not an Fp8Act
         out.append(("act_quant", int_class(t)))
-    if t <= gemv.MAX_ROWS:
+    if t <= gemv_configs.MAX_ROWS:
         out += [("skinny", n, k, *_skinny(t, n, k, shapes.sms)) for n, k in shapes.dense_linears]
     moe = shapes.moe
     if moe is not None:
@@ -73,12 +73,12 @@ def step_variants(t: int, shapes: StepShapes) -> list[tuple]:
 
 def _skinny(m: int, n: int, k: int, sms: int) -> tuple:
     """The skinny GEMM's (config, BLOCK_M) for a bf16 weight [n, k] at m <= 16 rows; None where
-    cuBLAS runs instead (gemv.skinny_applies: TUNED says None)."""
-    key = ("bf16", n, k, gemv.m_class(m))
-    if key in gemv.TUNED and gemv.TUNED[key] is None:
+    cuBLAS runs instead (gemv_configs.skinny_applies: TUNED says None)."""
+    key = ("bf16", n, k, gemv_configs.m_class(m))
+    if key in gemv_configs.TUNED and gemv_configs.TUNED[key] is None:
         return (None,)
-    cfg = gemv.TUNED.get(key) or gemv.default_config("bf16", n, k, m, sms)
-    return cfg, gemv.MAX_ROWS if cfg.dot else next_power_of_2(m)
+    cfg = gemv_configs.TUNED.get(key) or gemv_configs.default_config("bf16", n, k, m, sms)
+    return cfg, gemv_configs.MAX_ROWS if cfg.dot else next_power_of_2(m)
 
 
 def warmup_token_counts(shapes: StepShapes, max_tokens: int) -> list[int]:

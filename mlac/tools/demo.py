@@ -61,7 +61,7 @@ def _run(work: Path, tp: int, prompt: str, max_tokens: int, echo: Callable[[str]
 
     echo("serving on CPU")
     t0 = time.perf_counter()
-    config = ServerConfig(artifact=out, host="127.0.0.1", device="cpu", dtype="float32", drain_timeout=5.0)
+    config = ServerConfig.of(artifact=out, host="127.0.0.1", device="cpu", dtype="float32", drain_timeout=5.0)
     with ServerThread(config) as server:
         load_s = time.perf_counter() - t0
         body = {"model": config.model_name, "messages": [{"role": "user", "content": prompt}],

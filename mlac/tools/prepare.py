@@ -1,14 +1,14 @@
 """`mlac prepare`: compile this GPU's kernels for an artifact, as a unit of their own.
 
-On a GPU, the artifact's engine is built as the server builds it (CUDA graphs captured for every
-decode bucket) and warmed up (Engine.warmup: the prefill and decode shapes), with Triton's cache
-directory pointed at a fresh empty one: every kernel variant the server meets is compiled there.
-That directory becomes a kernel-cache unit (core/units.py): `triton/` with a `unit.json` that lists
-every file with its sha256, names the GPU's target signature and binds the unit to the artifact's
-identity. The artifact itself is not changed: its manifest, identity and signature stay as they
-were compiled. The unit goes to `cache/<key>/` inside the artifact, or with `cache_out` to a
-folder of its own (a GPU job then publishes megabytes, not the weights). Preparing a target again
-replaces its unit.
+On a GPU, the artifact's engine is built as the server builds it, from the same EngineOptions
+(CUDA graphs captured for every decode bucket), and warmed up (Engine.warmup: the prefill and
+decode shapes), with Triton's cache directory pointed at a fresh empty one: every kernel variant
+the server meets is compiled there. That directory becomes a kernel-cache unit (core/units.py):
+`triton/` with a `unit.json` that lists every file with its sha256, names the GPU's target
+signature and binds the unit to the artifact's identity. The artifact itself is not changed: its
+manifest, identity and signature stay as they were compiled. The unit goes to `cache/<key>/` inside
+the artifact, or with `cache_out` to a folder of its own (a GPU job then publishes megabytes, not
+the weights). Preparing a target again replaces its unit.
 
 Atomic: the unit is built in a temporary folder beside its destination's parent (`.<name>.tmp-<pid>`,
 outside the artifact), fsynced, then renamed into place (an older unit renamed aside first). A prepare
@@ -25,7 +25,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlac
@@ -43,35 +42,24 @@ from mlac.core.units import (
     unit_identity_record,
 )
 from mlac.core.validity import check_artifact
+from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.worker.kernel_cache import is_group, portable_group, triton_cache_dir
 from mlac.runtime.worker.target import current_target
 
 Log = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class WarmupShapes:
-    """The server settings that decide which kernel variants exist (`mlac serve`'s defaults):
-    a server started with other values may meet variants that the cache does not hold."""
-
-    dtype: str = "bfloat16"
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048
-    cuda_graph_max_bs: int = 256
-
-
-def warm_kernels(root: Path, device: str, cache_dir: Path, shapes: WarmupShapes) -> None:
-    """Build the engine as the server does (CUDA graphs: every bucket captured) and warm it up, so
-    that Triton compiles every kernel variant into its cache directory (`cache_dir`, already set)."""
+def warm_kernels(root: Path, cache_dir: Path, options: EngineOptions) -> None:
+    """Build the engine as the server does with `options` (CUDA graphs: every bucket captured) and
+    warm it up, so that Triton compiles every kernel variant into its cache directory (`cache_dir`,
+    already set). The options that decide which variants exist are the server's: its dtype,
+    max_running_requests, chunked_prefill_size and cuda_graph_max_bs; a server started with other
+    values may meet variants that the cache does not hold."""
     import torch
 
     from mlac.runtime.engine.engine import Engine
-    from mlac.runtime.engine.scheduler import SchedulerConfig
 
-    sched = SchedulerConfig(max_running_requests=shapes.max_running_requests,
-                            chunked_prefill_size=shapes.chunked_prefill_size)  # fmt: skip
-    with Engine.from_artifact(root, device=device, dtype=getattr(torch, shapes.dtype), scheduler_config=sched,
-                              cuda_graph_max_bs=shapes.cuda_graph_max_bs, kernel_cache="off") as engine:  # fmt: skip
+    with Engine.from_artifact(root, options, kernel_cache="off") as engine:
         engine.warmup()
         torch.cuda.synchronize()
     # NOTE: the engine sized its KV cache as a server would (most of the GPU): give it all back, so that
@@ -83,16 +71,18 @@ def warm_kernels(root: Path, device: str, cache_dir: Path, shapes: WarmupShapes)
 
 def prepare(
     root: str | Path,
-    device: str = "cuda",
-    shapes: WarmupShapes | None = None,
+    options: EngineOptions | None = None,
     log: Log = lambda msg: None,
-    warm: Callable[[Path, str, Path, WarmupShapes], None] | None = None,
+    warm: Callable[[Path, Path, EngineOptions], None] | None = None,
     cache_out: str | Path | None = None,
 ) -> tuple[UnitManifest, Path]:
-    """Compile every kernel the server meets on `device` for the artifact at `root` into a unit
-    (module docstring) at `cache_out`, else at root/cache/<key>; return it and its folder.
-    MlacError: not an artifact, no GPU, or a `cache_out` that holds something else than a unit."""
+    """Compile every kernel the server meets on `options.runtime.device` (default: the server's
+    options on "cuda") for the artifact at `root` into a unit (module docstring) at `cache_out`,
+    else at root/cache/<key>; return it and its folder. MlacError: not an artifact, no GPU, or a
+    `cache_out` that holds something else than a unit."""
     root = Path(root)
+    options = options or EngineOptions.of(device="cuda")
+    device = options.runtime.device
     identity = check_artifact(root, hashes=False).identity  # the weights are hashed as they load
     target = current_target(device)
     if target is None:
@@ -113,7 +103,7 @@ def prepare(
             triton_cache_dir(Path(compiled)),
         ):
             log(f"compiling the kernels of {target.label()} (CUDA graphs, warm-up) ...")
-            (warm or warm_kernels)(root, device, Path(compiled), shapes or WarmupShapes())
+            (warm or warm_kernels)(root, Path(compiled), options)
             files = store_cache(Path(compiled), tmp / TRITON_DIR, TRITON_DIR)
         unit = UnitManifest(base_identity=identity, key=key, signature=target, mlac_version=mlac.__version__,
                             files=files)  # fmt: skip

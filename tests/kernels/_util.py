@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import os
 import sys
+from types import ModuleType
 
 import torch
 
@@ -25,18 +26,32 @@ try:
 except ImportError:
     HAS_TRITON = False
 
-_KERNEL_MODULES = ("mlac.kernels.fp8_quant", "mlac.kernels.gemm.fp8_gemm", "mlac.kernels.moe.grouped")
+# In import order: a module comes after those it takes names from, so that a reload rebinds them.
+_KERNEL_MODULES = (
+    "mlac.kernels.fp8_quant",
+    "mlac.kernels.gemm.fp8_gemm",
+    "mlac.kernels.moe.align",
+    "mlac.kernels.moe.grouped",
+    "mlac.kernels.moe.reduce",
+    "mlac.kernels.moe.decode_config",
+    "mlac.kernels.moe.shared",
+    "mlac.kernels.moe.decode_tiles",
+    "mlac.kernels.moe.decode",
+    "mlac.kernels.moe.decode_sum",
+    "mlac.kernels.moe.fused",
+)
 
 
-def kernel_modules():
-    """(fp8_quant, fp8_gemm, moe), interpreted when there is no CUDA."""
+def kernel_modules() -> dict[str, ModuleType]:
+    """The FP8 GEMM and MoE kernel modules by their last name ("fp8_quant", "fp8_gemm", "grouped",
+    "decode", "fused", ...), interpreted when there is no CUDA."""
     quant = importlib.import_module(_KERNEL_MODULES[0])
     interpreted = type(quant._act_quant_kernel).__name__ == "InterpretedFunction"
     if HAS_TRITON and not HAS_CUDA and not interpreted:
         for name in _KERNEL_MODULES:
             if name in sys.modules:
                 importlib.reload(sys.modules[name])
-    return tuple(importlib.import_module(name) for name in _KERNEL_MODULES)
+    return {name.rpartition(".")[2]: importlib.import_module(name) for name in _KERNEL_MODULES}
 
 
 # Tolerances, from the output dtype. Relative Frobenius error ||out - ref|| / ||ref||.

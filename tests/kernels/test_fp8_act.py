@@ -16,7 +16,8 @@ try:
 except ImportError:  # tests/ is not a package: pytest put this folder on sys.path
     import _util
 
-quant_mod, gemm_mod, moe_mod = _util.kernel_modules()  # before anything else imports triton
+_mods = _util.kernel_modules()  # before anything else imports triton
+quant_mod, gemm_mod, moe_mod = _mods["fp8_quant"], _mods["fp8_gemm"], _mods["fused"]
 
 from mlac.kernels import activation, norm_rope  # noqa: E402
 from mlac.kernels.moe.routing import RoutingSpec, route_ref  # noqa: E402

@@ -1,5 +1,5 @@
-"""Skinny decode GEMM (kernels/gemv.py): the Triton kernel against its pure-torch reference, and
-Linear's dispatch to it.
+"""Skinny decode GEMM (kernels/gemm/gemv.py): the Triton kernel against its pure-torch reference, its
+configs and where it applies (gemv_configs.py), and Linear's dispatch to it.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on small shapes (set by _util and this
 folder's conftest before triton is imported); tests marked gpu run V2-Lite's real shapes.
@@ -22,6 +22,7 @@ except ImportError:  # tests/ is not a package: pytest put this folder on sys.pa
     import _util
 
 from mlac.kernels.fp8_quant import Fp8Act
+from mlac.kernels.gemm import gemv_configs as configs
 
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
@@ -37,7 +38,7 @@ def _gemv_module():
 
 
 gemv = _gemv_module()
-Cfg = gemv.SkinnyConfig
+Cfg = configs.SkinnyConfig
 
 
 def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -147,21 +148,21 @@ def test_configs_cover_the_kernel_constraints():
     """default_config gives block_k 128 and block_n | 128 for FP8, and a split that leaves every
     split at least one K step, for V2-Lite and V3 shapes at every M."""
     for n, k in [(576, 2048), (3072, 2048), (21888, 2048), (2048, 10944), (24576, 1536), (7168, 16384)]:
-        for m in range(1, gemv.MAX_ROWS + 1):
+        for m in range(1, configs.MAX_ROWS + 1):
             for kind in ("bf16", "fp8"):
-                cfg = gemv.default_config(kind, n, k, m, sms=132)
+                cfg = configs.default_config(kind, n, k, m, sms=132)
                 assert cfg.dot == (m > 4)
                 assert -(-k // cfg.block_k) >= cfg.split_k >= 1
                 if kind == "fp8":
                     assert cfg.block_k == 128 and 128 % cfg.block_n == 0, cfg
-    assert gemv.default_config("bf16", 576, 2048, 1, sms=132).split_k > 1  # N alone gives few programs
-    assert gemv.default_config("bf16", 21888, 2048, 1, sms=132).split_k == 1
-    assert [gemv.m_class(m) for m in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
+    assert configs.default_config("bf16", 576, 2048, 1, sms=132).split_k > 1  # N alone gives few programs
+    assert configs.default_config("bf16", 21888, 2048, 1, sms=132).split_k == 1
+    assert [configs.m_class(m) for m in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
 
 
 def _tuned_fp8(monkeypatch, n: int, k: int, m: int) -> None:
     """An FP8 shape the skinny GEMM takes: FP8 goes to it only where TUNED holds a config."""
-    monkeypatch.setitem(gemv.TUNED, ("fp8", n, k, m), gemv.default_config("fp8", n, k, m, 4))
+    monkeypatch.setitem(configs.TUNED, ("fp8", n, k, m), configs.default_config("fp8", n, k, m, 4))
 
 
 def test_skinny_applies(monkeypatch):
@@ -169,15 +170,15 @@ def test_skinny_applies(monkeypatch):
     w, s = _fp8_w(96, 256, seed=0)
     wd = _dense_w(96, 256, torch.bfloat16, seed=0)
     x16, x17 = _x(16, 256, torch.bfloat16, seed=0), _x(17, 256, torch.bfloat16, seed=0)
-    assert gemv.skinny_applies(x16, wd, None) and not gemv.skinny_applies(x17, wd, None)
-    assert gemv.skinny_applies(x16.view(2, 8, 256), wd, None)
-    assert gemv.skinny_applies(x16, w, s) and gemv.skinny_applies(_act(x16, torch.bfloat16), w, s)
-    assert not gemv.skinny_applies(_act(x17, torch.bfloat16), w, s)
-    monkeypatch.setattr(gemv, "TUNED", {})  # an FP8 shape TUNED does not hold: only when asked everywhere
-    assert not gemv.skinny_applies(x16, w, s) and gemv.skinny_applies(x16, w, s, fp8_everywhere=True)
-    assert not gemv.skinny_applies(x17, w, s, fp8_everywhere=True)
-    assert not gemv.skinny_applies(x16.float(), wd, None)  # dense needs x in W's dtype
-    assert not gemv.skinny_applies(_act(x16, torch.bfloat16), wd, None)
+    assert configs.skinny_applies(x16, wd, None) and not configs.skinny_applies(x17, wd, None)
+    assert configs.skinny_applies(x16.view(2, 8, 256), wd, None)
+    assert configs.skinny_applies(x16, w, s) and configs.skinny_applies(_act(x16, torch.bfloat16), w, s)
+    assert not configs.skinny_applies(_act(x17, torch.bfloat16), w, s)
+    monkeypatch.setattr(configs, "TUNED", {})  # an FP8 shape TUNED does not hold: only when asked everywhere
+    assert not configs.skinny_applies(x16, w, s) and configs.skinny_applies(x16, w, s, fp8_everywhere=True)
+    assert not configs.skinny_applies(x17, w, s, fp8_everywhere=True)
+    assert not configs.skinny_applies(x16.float(), wd, None)  # dense needs x in W's dtype
+    assert not configs.skinny_applies(_act(x16, torch.bfloat16), wd, None)
 
 
 def test_skinny_declines_shapes_measured_slower():
@@ -187,14 +188,14 @@ def test_skinny_declines_shapes_measured_slower():
     slower = torch.zeros(3072, 2048, dtype=torch.bfloat16)  # V2-Lite q_proj: cuBLAS won at M = 1
     faster = torch.zeros(576, 2048, dtype=torch.bfloat16)  # V2-Lite kv_a: skinny won
     x = torch.zeros(1, 2048, dtype=torch.bfloat16)
-    assert gemv.TUNED[("bf16", 3072, 2048, 1)] is None and not gemv.skinny_applies(x, slower, None)
-    assert gemv.TUNED[("bf16", 576, 2048, 1)] is not None and gemv.skinny_applies(x, faster, None)
-    assert ("bf16", 640, 2048, 1) not in gemv.TUNED
-    assert gemv.skinny_applies(x, torch.zeros(640, 2048, dtype=torch.bfloat16), None)
+    assert configs.TUNED[("bf16", 3072, 2048, 1)] is None and not configs.skinny_applies(x, slower, None)
+    assert configs.TUNED[("bf16", 576, 2048, 1)] is not None and configs.skinny_applies(x, faster, None)
+    assert ("bf16", 640, 2048, 1) not in configs.TUNED
+    assert configs.skinny_applies(x, torch.zeros(640, 2048, dtype=torch.bfloat16), None)
     w8, s8 = _fp8_w(640, 2048, seed=0)  # FP8: not unless TUNED holds a config for the shape
-    assert ("fp8", 640, 2048, 1) not in gemv.TUNED and not gemv.skinny_applies(x, w8, s8)
-    assert gemv.TUNED[("fp8", 576, 2048, 1)] is None
-    assert not gemv.skinny_applies(x, *_fp8_w(576, 2048, seed=0))
+    assert ("fp8", 640, 2048, 1) not in configs.TUNED and not configs.skinny_applies(x, w8, s8)
+    assert configs.TUNED[("fp8", 576, 2048, 1)] is None
+    assert not configs.skinny_applies(x, *_fp8_w(576, 2048, seed=0))
 
 
 # ---- Linear's dispatch -------------------------------------------------------------------------

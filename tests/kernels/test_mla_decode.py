@@ -15,13 +15,8 @@ import pytest
 import torch
 from conftest import HAS_CUDA, poison, rel_err
 
-from mlac.kernels.attention.mla_decode import (
-    choose_num_splits,
-    default_config,
-    mla_decode,
-    mla_decode_ref,
-    mla_decode_triton,
-)
+from mlac.kernels.attention.mla_decode import mla_decode, mla_decode_ref, mla_decode_triton
+from mlac.kernels.attention.mla_decode_plan import choose_num_splits, default_config
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -18,17 +18,14 @@ import torch
 
 from mlac.kernels._triton import HAS_TRITON
 from mlac.kernels.attention.head_bmm import head_bmm, head_bmm_ref
-from mlac.kernels.attention.mla_decode import (
-    SplitKV,
+from mlac.kernels.attention.mla_decode import mla_decode, mla_decode_ref, mla_decode_triton
+from mlac.kernels.attention.mla_decode_plan import (
     decode_group_rows,
-    merge_ref,
-    mla_decode,
-    mla_decode_ref,
-    mla_decode_triton,
     prefer_row_groups,
     row_groups,
     row_groups_host,
 )
+from mlac.kernels.attention.split_kv import SplitKV, merge_ref
 
 KV_LORA, ROPE = 32, 16
 needs_triton = pytest.mark.skipif(

@@ -17,7 +17,8 @@ from conftest import rel_err
 from test_mla_decode import make_case
 
 from mlac.kernels.attention import head_bmm as hb
-from mlac.kernels.attention.mla_decode import SplitKV, merge_ref, mla_decode_ref, mla_decode_triton
+from mlac.kernels.attention.mla_decode import mla_decode_ref, mla_decode_triton
+from mlac.kernels.attention.split_kv import SplitKV, merge_ref
 from mlac.kernels.fp8_quant import Fp8Act, act_quant
 from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 from mlac.runtime.model import attention as attention_forms
@@ -148,7 +149,7 @@ def test_decode_absorbed_fused_equals_separate_launches(triton_device, monkeypat
     merge kernel, and gives the same o (or o_proj's Fp8Act of it) within bf16 tolerance: the two
     paths tile head_bmm's N differently (128 against 64), which may change the dot's summation
     order on a GPU (the kernel tests above compare bits at equal tiles)."""
-    import mlac.kernels.attention.mla_decode as md
+    import mlac.kernels.attention.split_kv as md
 
     args, kv_scale, w_vc = _case(triton_device, heads=3, kv_lora=64, v=128)
     q_lat, q_rope, cache, table, seq_lens, scale = args

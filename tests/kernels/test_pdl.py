@@ -191,7 +191,7 @@ def test_graphs_with_pdl_give_the_logits_of_graphs_without(artifact, preset, fp8
     if not (_triton.PDL_REQUESTED and _triton.pdl_supported()):
         pytest.skip("PDL needs an sm90+ GPU (and MLAC_PDL not 0)")
     kw = dict(device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=256, cuda_graph_max_bs=8,
-              scheduler_config=SchedulerConfig(prefix_cache=False))  # fmt: skip
+              scheduler=SchedulerConfig(prefix_cache=False))  # fmt: skip
     engine = Engine.from_artifact(artifact(preset, fp8=fp8), **kw)
     with_pdl = engine.runner.graphs
     assert _triton.pdl_on() and with_pdl is not None

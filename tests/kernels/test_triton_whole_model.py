@@ -5,8 +5,9 @@ cached prefix (absorbed form) and a decode step, over two sequences of different
 It lives in tests/kernels/ because it needs this folder's conftest: Triton's interpreter multiplies
 the raw uint16 bits of bf16 `tl.dot` operands (triton-lang/triton#11584) and truncates float32 to
 bf16; conftest.py patches both. Unpatched, every bf16 run (FP8 artifacts included) gives logits
-near 1e11, from the first skinny GEMM on (layers.0.attn.wq: gemv.py; extend_attention.py and
-mla_decode.py meet it too, head_bmm / moe / moe_decode upcast under the interpreter themselves).
+near 1e11, from the first skinny GEMM on (layers.0.attn.wq: gemv.py; extend.py and
+mla_decode.py meet it too; head_bmm.py, moe/grouped.py and moe/decode.py upcast under the
+interpreter themselves).
 An interpreter artefact: the GPU computes these dots right (GPU parity tests pass).
 
 Bounds, relative L2 of a step's logits (measured worst, tiny presets, seed 0, in brackets):
@@ -22,7 +23,7 @@ Bounds, relative L2 of a step's logits (measured worst, tiny presets, seed 0, in
   6,144 silu·mul outputs of layer 0 one rounds to -56 instead of -52, w2's output moves 3e-4);
   each later quantization amplifies that and tokens reroute. The bound catches a broken kernel
   (random logits are ~1.4 away, the unpatched interpreter 1e10), not a rounding difference; the
-  FP8 kernels are pinned one by one in test_fp8_gemm.py, test_moe.py, test_head_bmm.py.
+  FP8 kernels are pinned one by one in test_fp8_gemm.py, test_moe_grouped.py, test_head_bmm.py.
 """
 
 from __future__ import annotations

@@ -18,16 +18,31 @@ import torch
 from mlac.core.fp8 import BLOCK, FP8
 from mlac.kernels import fp8_quant
 from mlac.kernels.fp8_quant import Fp8Act
-from mlac.kernels.gemm import fp8_gemm, gemv
+from mlac.kernels.gemm import fp8_gemm, gemv, gemv_configs
 from mlac.kernels.gemm.fp8_gemm import int_class
+from mlac.kernels.moe import align as moe_align
 from mlac.kernels.moe import decode as moe_decode
-from mlac.kernels.moe import grouped as moe
+from mlac.kernels.moe import decode_sum as moe_decode_sum
+from mlac.kernels.moe import fused as moe
+from mlac.kernels.moe import grouped as moe_grouped
+from mlac.kernels.moe import reduce as moe_reduce
 from mlac.kernels.moe import router_gemv
 from mlac.kernels.moe import routing as moe_routing
 from mlac.kernels.moe.routing import RoutingSpec
 from mlac.kernels.step_variants import MoeShape, StepShapes, step_variants, warmup_token_counts
 
-KERNEL_MODULES = (fp8_gemm, fp8_quant, gemv, moe, moe_decode, moe_routing, router_gemv)
+KERNEL_MODULES = (
+    fp8_gemm,
+    fp8_quant,
+    gemv,
+    moe_align,
+    moe_grouped,
+    moe_reduce,
+    moe_decode,
+    moe_decode_sum,
+    moe_routing,
+    router_gemv,
+)
 
 # (N, K) of one rank's dense weights at tp 1 (q_a+kv_a fused, wq_b or wq, wo, dense w13 / w2, shared
 # w13 / w2), the experts (E, top-k, D, I) and the routing
@@ -101,7 +116,7 @@ def test_the_moe_configs_largest_counts_miss_a_split_k_variant():
     # FP8) met SPLIT_K 1 only
     shapes = StepShapes(132, moe=MoeShape(*V3["moe"], fp8=True))
     met = {v for t in (768, 3072, 8192) for v in step_variants(t, shapes)}
-    assert ("moe_gemm1", moe.pick_moe_config(16, 256, True), 2) in set(step_variants(2, shapes)) - met
+    assert ("moe_gemm1", moe_grouped.pick_moe_config(16, 256, True), 2) in set(step_variants(2, shapes)) - met
 
 
 # ---- the wrappers, on meta tensors: does the variant name everything a launch compiles? ---------
@@ -148,14 +163,14 @@ def launches(monkeypatch):
             if name.endswith("_kernel") and hasattr(obj, "arg_names"):
                 monkeypatch.setattr(mod, name, Recorder(name, obj, seen))
     yield seen
-    gemv.pick_config.cache_clear()  # configs planned for a patched SM count
+    gemv_configs.pick_config.cache_clear()  # configs planned for a patched SM count
 
 
 def on_sms(monkeypatch, sms: int) -> None:
-    """The wrappers plan for a GPU of `sms` SMs (gemv caches its configs: emptied both ways)."""
-    for mod in (fp8_gemm, gemv, moe, router_gemv):
+    """The wrappers plan for a GPU of `sms` SMs (gemv_configs caches its configs: emptied both ways)."""
+    for mod in (fp8_gemm, gemv_configs, moe_grouped, router_gemv):
         monkeypatch.setattr(mod, "sm_count", lambda device: sms)
-    gemv.pick_config.cache_clear()  # and again after the test (`launches`)
+    gemv_configs.pick_config.cache_clear()  # and again after the test (`launches`)
 
 
 def run_step(t: int, model: dict, fp8: bool) -> None:
@@ -166,7 +181,7 @@ def run_step(t: int, model: dict, fp8: bool) -> None:
         if fp8:
             scale = torch.empty(-(-n // BLOCK), -(-k // BLOCK), dtype=torch.float32, **meta)
             fp8_gemm.fp8_gemm(x, torch.empty(n, k, dtype=FP8, **meta), scale)
-        elif gemv.skinny_applies(x, w := torch.empty(n, k, dtype=torch.bfloat16, **meta), None):
+        elif gemv_configs.skinny_applies(x, w := torch.empty(n, k, dtype=torch.bfloat16, **meta), None):
             gemv.skinny_linear(x, w)
     e, top_k, d, i = model["moe"]
     x = torch.empty(t, d, dtype=torch.bfloat16, **meta)
@@ -237,7 +252,7 @@ def test_after_the_warmup_eager_steps_of_any_size_compile_nothing(tmp_path):
     ckpt = synthesize(tmp_path / "ckpt", config_path=tmp_path / "config.json")
     compile_checkpoint(ckpt, tmp_path / "art", CompileOptions(fp8=True))
     limits = SchedulerConfig(max_running_requests=8, chunked_prefill_size=2048)
-    engine = Engine.from_artifact(tmp_path / "art", device="cuda", scheduler_config=limits)
+    engine = Engine.from_artifact(tmp_path / "art", device="cuda", scheduler=limits)
     engine.warmup()
     vocab = engine.config.vocab_size
     with JitCompiles() as jit:

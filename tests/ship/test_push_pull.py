@@ -95,7 +95,7 @@ def test_a_killed_pull_resumes_and_completes(art, registry, tmp_path):
         "from mlac.ship.pull import pull\n"
         "from mlac.ship.reference import parse\n"
         "from pathlib import Path\n"
-        "pull(parse(sys.argv[1]), Path(sys.argv[2]), plain_http=True, progress=lambda n: time.sleep(0.002))\n"
+        "pull(parse(sys.argv[1]), Path(sys.argv[2]), plain_http=True, progress=lambda n: time.sleep(0.005))\n"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", script, ref, str(dest)], env={**os.environ, "PYTHONPATH": str(REPO)}
@@ -128,7 +128,7 @@ def test_units_and_signatures_travel_with_the_artifact(art, registry, tmp_path, 
     monkeypatch.setattr(kc, "current_target", lambda device="cuda": SIG)
     monkeypatch.setattr(target_mod, "current_target", lambda device="cuda": SIG)  # pull's --target auto
 
-    def warm(root, device, cache_dir, shapes):
+    def warm(root, cache_dir, options):
         (cache_dir / "K").mkdir()
         (cache_dir / "K" / "k.cubin").write_bytes(b"\x7fELF")
 

@@ -70,7 +70,7 @@ def test_decode_steps_count_forwards_with_overlap_scheduling(artifact):
     for overlap in (False, True):
         cfg = SchedulerConfig(overlap=overlap)
         with Engine.from_artifact(
-            artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler_config=cfg
+            artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler=cfg
         ) as engine:
             run = run_batch(engine, batch=2, input_len=5, output_len=6, seed=0)
         assert run.steps == 5 and run.tokens == 2 * 5, (overlap, run)

@@ -28,6 +28,7 @@ from mlac.core.files import file_entry
 from mlac.core.units import UNIT_IDENTITY, UNIT_MANIFEST, TargetSignature, load_unit, target_key
 from mlac.core.validity import check_artifact
 from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.serve import ServerConfig, load_engine
 
 SIG = TargetSignature(gpu_name="NVIDIA H200", compute_capability="9.0", cuda="13.0", driver="580.65.06",
@@ -59,7 +60,7 @@ def fake_warm(version: bytes = b"v1"):
     """A warm-up that writes a Triton cache entry (binary, metadata, a group file naming them by
     absolute path, as Triton writes it, and an unfinished tmp folder) into the directory it is given."""
 
-    def warm(root, device, cache_dir: Path, shapes) -> None:
+    def warm(root, cache_dir: Path, options) -> None:
         assert os.environ[kc.TRITON_CACHE_ENV] == str(cache_dir)  # set before anything compiles
         entry = cache_dir / KERNEL
         entry.mkdir()
@@ -309,7 +310,7 @@ def test_require_prepared_refuses_another_target(art, on_gpu):
     ):
         Engine.from_artifact(art, kernel_cache="require")
     with pytest.raises(MlacError, match="driver is 570.1 here"):
-        load_engine(ServerConfig(artifact=art, require_prepared=True))
+        load_engine(ServerConfig.of(artifact=art, kernel_cache="require"))
     one_line_error(
         invoke("generate", art, "--prompt", "hi", "--require-prepared"),
         "--require-prepared",
@@ -379,8 +380,8 @@ from mlac.runtime.serve import ServerConfig, ServerThread
 art, mode = sys.argv[1], sys.argv[2]
 if mode == "off":  # as if the artifact held no cache of this GPU
     kc.current_target = lambda device: None
-config = ServerConfig(artifact=art, device="cuda", scheduler=SchedulerConfig(max_running_requests=8,
-    chunked_prefill_size=256), cuda_graph_max_bs=8, require_prepared=mode == "require")
+config = ServerConfig.of(artifact=art, device="cuda", scheduler=SchedulerConfig(max_running_requests=8,
+    chunked_prefill_size=256), cuda_graph_max_bs=8, kernel_cache="require" if mode == "require" else "use")
 counts = {}
 with JitCompiles() as start:
     srv = ServerThread(config).start()
@@ -411,8 +412,10 @@ def test_a_prepared_artifact_compiles_nothing_in_a_fresh_server(art, tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    shapes = prep.WarmupShapes(max_running_requests=8, chunked_prefill_size=256, cuda_graph_max_bs=8)
-    prep.prepare(art, device="cuda", shapes=shapes)
+    options = EngineOptions.of(
+        device="cuda", max_running_requests=8, chunked_prefill_size=256, cuda_graph_max_bs=8
+    )
+    prep.prepare(art, options)
 
     def serve(mode: str) -> dict:
         env = {k: v for k, v in os.environ.items() if k != kc.TRITON_CACHE_ENV}

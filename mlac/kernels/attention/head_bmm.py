@@ -32,7 +32,7 @@ Two fusions around the v-absorb (`head_bmm(o_lat, w_vc)`) remove a launch each f
 
 - x may be mla_decode's unmerged split-KV partials (`SplitKV`, from `mla_decode(merge=False)`):
   the x tile is then merged while it is loaded, by the merge kernel's own Triton helpers
-  (mla_decode.merge_weights / merge_splits) and rounded to o_lat's dtype as its store does, so the
+  (split_kv.merge_weights / merge_splits) and rounded to o_lat's dtype as its store does, so the
   result is bit for bit that of the merge kernel followed by head_bmm (same config).
 - `quant_out=True` (the FP8 o_proj reads the output): with N % 128 == 0 each program owns whole
   128-wide groups of one head, which are exactly the quantization groups of o_proj's input
@@ -53,12 +53,12 @@ import torch
 from mlac.core.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks, quantize_blocks
 from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
-from mlac.kernels.attention.mla_decode import SplitKV, merge_ref
+from mlac.kernels.attention.split_kv import SplitKV, merge_ref
 from mlac.kernels.fp8_quant import Fp8Act, cast_out, interpreting, quant_groups, round_e4m3
 from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 
 if HAS_TRITON:
-    from mlac.kernels.attention.mla_decode import _used_splits, merge_splits, merge_weights
+    from mlac.kernels.attention.split_kv import merge_splits, merge_weights, used_splits
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ if HAS_TRITON:
             s_ptrs = s_ptr + head * stride_sh + offs_n // 128  # [BN]
 
         if MERGE:  # per row: the splits its request used, and the merge's max and denominator
-            used = _used_splits(tl.load(seq_lens_ptr + offs_m, mask=m_ok, other=0), num_splits, MIN_SPLIT)
+            used = used_splits(tl.load(seq_lens_ptr + offs_m, mask=m_ok, other=0), num_splits, MIN_SPLIT)
             n_used = tl.max(tl.where(m_ok, used, 1))  # splits to visit: the most a row of the tile used
             used = used[:, None]  # [BM, 1]
             row_ok = m_ok[:, None]

@@ -9,14 +9,14 @@ heads with one matrix product:
     o_lat[b, h]    = sum_t softmax_t(score[b, h, :]) * latent[t]
 
 Long sequences are split into `num_splits` chunks computed in parallel (split-KV) and merged by
-log-sum-exp: by a merge kernel, or (`merge=False`) by the consumer of o_lat while it loads it
-(`SplitKV`: head_bmm's v-absorb merges the partials in its x load, one launch fewer).
+log-sum-exp (split_kv.py): by its merge kernel, or (`merge=False`) by the consumer of o_lat while
+it loads it (`SplitKV`: head_bmm's v-absorb merges the partials in its x load, one launch fewer).
 Rows of one sequence (a flattened extend or a speculative verify: consecutive rows, one block
 table, seq_lens rising by one per row) may run grouped (`row_groups`): one program takes up to
 ROWS of them, its dots' M is rows x heads, and each KV tile is loaded once for all of them (per
 row, a prefix of 2,000 tokens was read once per row); each row keeps its own causal limit. The
 group's longest row sets its split partition, which the merge then uses per row (SplitKV.seq_lens).
-`prefer_row_groups` is the rule between the forms (pure decode stays per-row).
+The tiles of both forms, the split count and the rule between the forms: mla_decode_plan.py.
 FP8 caches (e4m3 / e5m2) carry one float32 scale per tensor (value = stored * scale); their
 tiles are widened to fp16 and q is cast to fp16 for the dots (|q| must stay below 65504).
 `mla_decode` dispatches: Triton on CUDA, the reference on CPU. Measured on an H200:
@@ -25,67 +25,17 @@ benchmarks/NOTES_attention.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from functools import cache
-from typing import NamedTuple
-
 import torch
 
 from mlac.kernels._triton import pdl_launch, pdl_start, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
+from mlac.kernels.attention.mla_decode_plan import FP8_KV_DTYPES, decode_num_splits, default_config
+from mlac.kernels.attention.split_kv import SplitKV, merge_split_kv
 
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+if triton is not None:
+    from mlac.kernels.attention.split_kv import used_splits
+
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-# Splits whose partial rows the merge kernel loads at once (8 warps: 2 registers a [512] row).
-MERGE_CHUNK = 32
-
-
-class SplitKV(NamedTuple):
-    """mla_decode's split-KV partials, not merged (`merge=False`): what a consumer that merges them
-    while loading o_lat takes instead of o_lat [B, H, C] (head_bmm).
-
-    o_part [B, H, S, C] float32: each split's o, normalized by its own softmax sum.
-    lse_part [B, H, S] float32: each split's log-sum-exp, base 2 (-inf for an empty split).
-    seq_lens [B] int32: the lengths that set each row's split partition (its seq_len; in the
-    grouped form its group's longest row's): row b wrote only the first
-    `used_splits(seq_lens[b], S, min_split)` splits; the others hold garbage and must not be read.
-    dtype: o_lat's dtype; the merge rounds to it (as the merge kernel's store does).
-    """
-
-    o_part: torch.Tensor
-    lse_part: torch.Tensor
-    seq_lens: torch.Tensor
-    min_split: int
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:  # o_lat's [B, H, C]
-        b, h, _, c = self.o_part.shape
-        return torch.Size((b, h, c))
-
-    @property
-    def device(self) -> torch.device:
-        return self.o_part.device
-
-
-def used_splits_ref(seq_lens: torch.Tensor, num_splits: int, min_split: int) -> torch.Tensor:
-    """[B] splits each request uses: at most num_splits, each of at least min_split tokens, >= 1."""
-    return (-(-seq_lens.long() // min_split)).clamp(max=num_splits).clamp(min=1)
-
-
-def merge_ref(p: SplitKV) -> torch.Tensor:
-    """The split partials merged by log-sum-exp in float32 -> o_lat [B, H, C] in p.dtype (same
-    math as the merge kernel, up to float32 summation order and exp2 rounding)."""
-    s = p.o_part.shape[2]
-    used = used_splits_ref(p.seq_lens, s, p.min_split).to(p.o_part.device)  # [B]
-    valid = (torch.arange(s, device=used.device)[None, :] < used[:, None])[:, None, :]  # [B, 1, S]
-    lse = p.lse_part.masked_fill(~valid, float("-inf"))  # [B, H, S]
-    mx = lse.amax(-1, keepdim=True)
-    w = torch.exp2(lse - mx.masked_fill(mx == float("-inf"), 0.0))  # [B, H, S], 0 where unused
-    denom = w.sum(-1, keepdim=True)
-    o = (w[..., None] * p.o_part.masked_fill(~valid[..., None], 0.0)).sum(2)  # [B, H, C]
-    return (o / denom.masked_fill(denom == 0, 1.0)).to(p.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,11 +88,6 @@ def mla_decode_ref(
 if triton is not None:
 
     @triton.jit
-    def _used_splits(seq_len, num_splits, MIN_SPLIT: tl.constexpr):
-        """Splits one request uses: at most num_splits, each of at least MIN_SPLIT tokens."""
-        return tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, MIN_SPLIT)), 1)
-
-    @triton.jit
     def _mla_decode_split_kernel(
         q_nope, q_rope, kv, block_table, seq_lens, groups, kv_scale_ptr, o_ptr, lse_ptr,
         stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
@@ -161,7 +106,7 @@ if triton is not None:
         + head). The programs of rows that lead no group return at once.
 
         The split partition is that of `kv_len`: the request's seq_len, or GROUPED the group's
-        longest row's (groups[1, b]). The program uses the first `_used_splits(kv_len)` of the
+        longest row's (groups[1, b]). The program uses the first `used_splits(kv_len)` of the
         num_splits splits; the programs of the others return at once (num_splits is fixed by a CUDA
         graph's grid, seq_len is not). Each row attends only to its own first seq_len tokens.
         Writes o normalized by its own softmax denominator, and its lse (log2 domain when LSE_LOG2,
@@ -189,7 +134,7 @@ if triton is not None:
             mask_h = offs_h < H
             row_m = b
             rows = b
-        used = _used_splits(kv_len, num_splits, MIN_SPLIT)
+        used = used_splits(kv_len, num_splits, MIN_SPLIT)
         if pid_s >= used:
             return
         split_len = tl.cdiv(tl.cdiv(kv_len, used), BLOCK_N) * BLOCK_N
@@ -279,188 +224,6 @@ if triton is not None:
             l_ptrs = lse_ptr + row_m * stride_l_b + offs_h * stride_l_h + pid_s * stride_l_s
             tl.store(l_ptrs, lse, mask=mask_h)
 
-    # The split merge, shared by the merge kernel and head_bmm's merging x load, so that both give
-    # the same bits: each element's sums run in split order, one add (or fma) per split, whatever
-    # the shapes and chunk sizes (a split past an element's `used` is masked to -inf / 0 and adds
-    # exactly +0; floating-point adds are never reordered). CHUNK splits are unrolled per loop
-    # step, so that their loads are in flight together.
-
-    @triton.jit
-    def merge_weights(lse_ptrs, stride_s, ok, used, n_iter, CHUNK: tl.constexpr):
-        """(mx, denom) of the log-sum-exp merge over the splits s < used of each element of
-        `lse_ptrs` (base-2 lse, any shape; `ok` masks elements, `used` broadcasts to them): mx the
-        largest finite lse (0 where none is), denom = sum_s 2^(lse_s - mx). Visits the splits
-        s < n_iter rounded up to CHUNK (n_iter >= every element's used)."""
-        mx = tl.load(lse_ptrs, mask=ok, other=float("-inf"))  # split 0: always used
-        for s0 in range(1, n_iter, CHUNK):
-            for j in tl.static_range(CHUNK):
-                lse = tl.load(lse_ptrs + (s0 + j) * stride_s, mask=ok & (s0 + j < used), other=float("-inf"))
-                mx = tl.maximum(mx, lse)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        denom = tl.exp2(tl.load(lse_ptrs, mask=ok, other=float("-inf")) - mx)
-        for s0 in range(1, n_iter, CHUNK):
-            for j in tl.static_range(CHUNK):
-                lse = tl.load(lse_ptrs + (s0 + j) * stride_s, mask=ok & (s0 + j < used), other=float("-inf"))
-                denom += tl.exp2(lse - mx)
-        return mx, denom
-
-    @triton.jit
-    def merge_splits(
-        o_ptrs, stride_o_s, o_ok, lse_ptrs, stride_l_s, ok, used, n_iter, mx, denom, CHUNK: tl.constexpr
-    ):
-        """sum_s 2^(lse_s - mx) o_s / denom over the splits s < used: the merged float32 o at
-        `o_ptrs` (split 0's partials; `o_ok` masks them, `lse_ptrs`/`ok`/`used` broadcast to
-        them), with (mx, denom) from merge_weights."""
-        w = tl.exp2(tl.load(lse_ptrs, mask=ok, other=float("-inf")) - mx)
-        acc = w * tl.load(o_ptrs, mask=o_ok & ok, other=0.0)
-        for s0 in range(1, n_iter, CHUNK):
-            for j in tl.static_range(CHUNK):
-                u = ok & (s0 + j < used)
-                w = tl.exp2(tl.load(lse_ptrs + (s0 + j) * stride_l_s, mask=u, other=float("-inf")) - mx)
-                acc = tl.fma(w, tl.load(o_ptrs + (s0 + j) * stride_o_s, mask=o_ok & u, other=0.0), acc)
-        return acc / tl.where(denom == 0.0, 1.0, denom)
-
-    @triton.jit
-    def _mla_decode_merge_kernel(
-        o_part, lse_part, out, lse_out,
-        stride_p_b, stride_p_h, stride_p_s, stride_pl_b, stride_pl_h,
-        stride_o_b, stride_o_h, stride_lo_b, seq_lens, num_splits,
-        MIN_SPLIT: tl.constexpr, DL: tl.constexpr, BLOCK_DL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-        STORE_LSE: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        """One program per (request, head): o = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max),
-        over the splits request b used (merge_weights, merge_splits)."""
-        pdl_start(PDL)
-        h = tl.program_id(0)
-        b = tl.program_id(1)
-        offs_d = tl.arange(0, BLOCK_DL)
-        n_used = _used_splits(tl.load(seq_lens + b), num_splits, MIN_SPLIT)
-        # The per-request operands as a [1] row, not scalars: Triton's interpreter cannot AND a
-        # scalar mask with a vector one.
-        row = tl.arange(0, 1)
-        used = row + n_used  # [1]
-        ok = used > 0  # [1], true
-        lse_ptrs = lse_part + b * stride_pl_b + h * stride_pl_h + row  # [1]
-        mx, denom = merge_weights(lse_ptrs, 1, ok, used, n_used, MERGE_CHUNK)  # [1]
-        p_ptrs = o_part + b * stride_p_b + h * stride_p_h + offs_d  # [BDL]
-        res = merge_splits(
-            p_ptrs, stride_p_s, offs_d < DL, lse_ptrs, 1, ok, used, n_used, mx, denom, MERGE_CHUNK
-        )
-        tl.store(
-            out + b * stride_o_b + h * stride_o_h + offs_d, res.to(out.dtype.element_ty), mask=offs_d < DL
-        )
-        if STORE_LSE:
-            tl.store(lse_out + b * stride_lo_b + h + row, (mx + tl.log2(denom)) * 0.6931471805599453)
-
-
-# Launch configurations (H200, Triton 3.6; see benchmarks/NOTES_attention.md). BLOCK_H >= 16
-# (tl.dot). ctas_per_sm (from registers and shared memory) feeds the split heuristic.
-# Few heads: memory-bound; a 16-head tile on mma.sync, num_stages=5 so that the pipeliner keeps two
-# KV tiles in flight behind the block-table lookups (3 or 4 stages give one). Many heads: a 64-head
-# tile for wgmma (M = 64 per warpgroup, the 512-wide accumulator split over 2 warpgroups).
-# num_splits is chosen for the longest sequence the block table can hold (a CUDA graph captures
-# it for the whole context); a request uses only the splits its own length fills with at least
-# min_split_tiles tiles each, so short sequences in a graph sized for 160k tokens neither write nor
-# merge dozens of empty partials.
-# Grouped form (`row_groups`): ROWS rows of one sequence x BLOCK_H heads fill M = GROUP_M, "many"'s
-# wgmma tile, with its launch settings. 64 heads or more already fill it: those never group.
-_CONFIGS = {  # the same for a bf16 and an FP8 cache
-    "few": dict(BLOCK_H=16, ROWS=1, BLOCK_N=32, num_warps=4, num_stages=5, ctas_per_sm=2, tile_in_page=True, min_split_tiles=2),
-    "many": dict(BLOCK_H=64, ROWS=1, BLOCK_N=32, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
-    "rows16": dict(BLOCK_H=16, ROWS=4, BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
-    "rows16_fp8": dict(BLOCK_H=16, ROWS=2, BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
-    "rows32": dict(BLOCK_H=32, ROWS=2, BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
-}  # fmt: skip
-# The grouped tiles (rows16*): the fastest of `bench_mla_rows.py --sweep` on an H200 (16 heads, graph-wide
-# tables of 163,840 tokens; benchmarks/results/mla_rows_h200.md): 64 rows after a 2,000-token prefix
-# 91.2 -> 50.1 us per layer (bf16 cache, 4 rows a program), 110.9 -> 79.1 (FP8, 2 rows a program: no
-# 4-row variant with 64-key tiles ran); 4 verify rows over 4,096 tokens 26.3 -> 21.8 (bf16). rows32 (17-32 heads) is not measured.
-GROUP_M = 64
-_CONFIG_INTERPRET = dict(
-    BLOCK_H=16,
-    ROWS=1,
-    BLOCK_N=16,
-    num_warps=4,
-    num_stages=1,
-    ctas_per_sm=1,
-    tile_in_page=True,
-    min_split_tiles=1,
-)
-INTERPRET_ROWS = 4  # rows per program of the grouped form under the interpreter (tests)
-
-
-def default_config(
-    n_heads: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16, grouped: bool = False
-) -> dict:
-    """Launch settings of the per-row form, or (`grouped`) of the grouped form: ROWS = 1 where
-    rows do not group (n_heads >= GROUP_M)."""
-    if device.type != "cuda":
-        return {**_CONFIG_INTERPRET, "ROWS": INTERPRET_ROWS if grouped and n_heads < GROUP_M else 1}
-    if n_heads >= GROUP_M:
-        return dict(_CONFIGS["many"])
-    if grouped:
-        fp8 = kv_dtype in FP8_KV_DTYPES
-        return dict(_CONFIGS["rows32" if n_heads > 16 else "rows16_fp8" if fp8 else "rows16"])
-    return dict(_CONFIGS["few"])
-
-
-def decode_group_rows(n_heads: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Rows of one sequence that one program of the grouped form takes (its ROWS) over a cache of
-    `kv_dtype`; 1 where grouping gains nothing (a head tile of 64 or more already fills the dots' M)."""
-    return default_config(n_heads, device, kv_dtype, grouped=True)["ROWS"]
-
-
-def prefer_row_groups(
-    q_lens: Sequence[int], n_heads: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16
-) -> bool:
-    """The form rule: the grouped form when some sequence runs more than one row (a flattened
-    extend, a speculative verify) and rows group at all; pure decode (every q_len 1) keeps the
-    per-row form and its own tuned launch (a group of one would waste most of the grouped M)."""
-    return decode_group_rows(n_heads, device, kv_dtype) > 1 and any(q > 1 for q in q_lens)
-
-
-def row_groups_host(
-    ctx_lens: Sequence[int], q_lens: Sequence[int], rows: int, pad: int = 0
-) -> tuple[list[int], list[int]]:
-    """The grouped form's per-row table, as host lists, for the flattened rows of B sequences
-    (sequence i: q_lens[i] rows, row j at position ctx_lens[i] + j, attending over ctx + j + 1
-    tokens) and then `pad` padding rows (one token each): (lead [T], kv_len [T]).
-    lead[r]: rows of the group row r leads (1..rows), 0 when r is not a group's first row; groups
-    are runs of at most `rows` consecutive rows of one sequence. kv_len[r]: the seq_len of the
-    last (longest) row of r's group, which sets the split partition of every row of the group."""
-    lead, kv_len = [], []
-    for c, q in zip(ctx_lens, q_lens, strict=True):
-        for g0 in range(0, q, rows):
-            n = min(rows, q - g0)
-            lead += [n] + [0] * (n - 1)
-            kv_len += [c + g0 + n] * n
-    return lead + [1] * pad, kv_len + [1] * pad
-
-
-def row_groups(
-    ctx_lens: Sequence[int], q_lens: Sequence[int], rows: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """[2, T] int32 on `device`: `row_groups_host` as mla_decode's `row_groups` input."""
-    return torch.tensor(row_groups_host(ctx_lens, q_lens, rows), dtype=torch.int32, device=device)
-
-
-@cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def choose_num_splits(batch: int, head_blocks: int, max_len: int, block_n: int, slots: int) -> int:
-    """Splits that minimize (waves x tiles per split), a tile's worth of cost added per split for
-    the prologue, the partial write and the merge. Depends only on static sizes (graph-safe)."""
-    tiles = max(1, -(-max_len // block_n))
-    best, best_cost = 1, float("inf")
-    for s in range(1, min(tiles, 64) + 1):
-        waves = -(-(batch * head_blocks * s) // slots)
-        cost = waves * (-(-tiles // s) + 1) + (1 if s > 1 else 0)
-        if cost < best_cost:
-            best, best_cost = s, cost
-    return best
-
 
 def _dot_k(d: int) -> int:
     return max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
@@ -489,24 +252,6 @@ def _check_inputs(q_nope_lat, q_rope, kv_cache, block_table, seq_lens, kv_scale,
         assert kv_cache.dtype == q_nope_lat.dtype, f"kv_cache {kv_cache.dtype} vs q {q_nope_lat.dtype}"
     for t in (q_rope, kv_cache, block_table, seq_lens):
         assert t.device == q_nope_lat.device
-
-
-def decode_num_splits(
-    q_nope_lat: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    config: dict | None = None,
-    grouped: bool = False,
-) -> int:
-    """The split count `mla_decode_triton` takes for these sizes (static ones only: a CUDA graph's).
-    `grouped`: for the grouped form, counted as if every program took ROWS rows."""
-    b, h, _ = q_nope_lat.shape
-    dev = q_nope_lat.device
-    cfg = {**default_config(h, dev, kv_cache.dtype, grouped), **(config or {})}
-    slots = (_sm_count(dev.index or 0) if dev.type == "cuda" else 8) * cfg["ctas_per_sm"]
-    max_len = block_table.shape[1] * kv_cache.shape[1]
-    programs = -(-b // cfg["ROWS"]) if grouped else b
-    return choose_num_splits(programs, -(-h // cfg["BLOCK_H"]), max_len, cfg["BLOCK_N"], slots)
 
 
 def mla_decode_triton(
@@ -585,17 +330,11 @@ def mla_decode_triton(
         STORE_LSE=return_lse or num_splits > 1, LSE_LOG2=num_splits > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(),
     )  # fmt: skip
-    if num_splits > 1 and not merge:
-        return SplitKV(o_part, lse_part, split_lens, min_split, out_dtype)
     if num_splits > 1:
-        _mla_decode_merge_kernel[(h, b)](
-            o_part, lse_part, out, lse if return_lse else lse_part,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0, split_lens, num_splits,
-            MIN_SPLIT=min_split, MERGE_CHUNK=MERGE_CHUNK,
-            DL=kv_lora, BLOCK_DL=triton.next_power_of_2(kv_lora), STORE_LSE=return_lse,
-            num_warps=8, **pdl_launch(),
-        )  # fmt: skip
+        partials = SplitKV(o_part, lse_part, split_lens, min_split, out_dtype)
+        if not merge:
+            return partials
+        merge_split_kv(partials, out, lse)
     return (out, lse) if return_lse else out
 
 
@@ -642,20 +381,3 @@ def mla_decode(
     if out is not None:
         o = out.copy_(o)
     return (o, lse) if return_lse else o
-
-
-__all__ = [
-    "SplitKV",
-    "choose_num_splits",
-    "decode_group_rows",
-    "decode_num_splits",
-    "default_config",
-    "merge_ref",
-    "mla_decode",
-    "mla_decode_ref",
-    "mla_decode_triton",
-    "prefer_row_groups",
-    "row_groups",
-    "row_groups_host",
-    "used_splits_ref",
-]

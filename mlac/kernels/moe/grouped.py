@@ -1,7 +1,17 @@
-"""Fused MoE: the grouped expert GEMMs (the routing that feeds them: moe_routing.py).
+"""The grouped expert GEMMs of fused MoE: every token-expert pair, its rows grouped by expert.
 
-Experts are stacked: w13 [E, 2I, D] (gate rows, then up rows), w2 [E, D, I], bf16/fp32 or e4m3
-with block scales [E, ceil(rows/128), ceil(cols/128)]. `fused_moe` dispatches on device.
+    x       [T, D] bf16/fp16; with FP8 weights quantized per 128 channels here, or given so (x_act)
+    w13     [E, 2I, D] gate rows, then up rows; w2 [E, D, I]: x's dtype, or e4m3 with block scales
+            [E, ceil(rows/128), ceil(cols/128)] float32
+    y       [T * top_k, D] in x's dtype: y[t * top_k + j] = expert_{ids[t, j]}(x[t])
+
+Pairs p = t * top_k + j are grouped by expert into BLOCK_M-row blocks (align.py); GEMM1 computes
+h[p] = silu(x[t] @ gate_e.T) * (x[t] @ up_e.T) per block, GEMM2 y[p] = h[p] @ w2_e.T. The top-k
+sum of y is reduce.py's; the front that picks this path, and the reference, are fused.py's.
+Roundings follow fused_moe_ref: gate, up, silu(gate), h and y are rounded to x's dtype, and with
+FP8 weights h is re-quantized per pair per 128 channels (fused into GEMM1's epilogue).
+At decode a few experts' blocks give too few tiles for the GPU: the GEMMs then split K
+(MoeConfig.split_k), and the last split of each tile sums the float32 partials before the epilogue.
 """
 
 from __future__ import annotations
@@ -10,11 +20,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from mlac.core.fp8 import BLOCK, FP8, FP8_MAX, dequantize_blocks
+from mlac.core.fp8 import BLOCK, FP8, FP8_MAX
 from mlac.kernels.fp8_quant import (
-    HAS_TRITON,
     Fp8Act,
     act_quant,
     cast_out,
@@ -27,81 +35,8 @@ from mlac.kernels.fp8_quant import (
     tl,
     triton,
 )
-from mlac.kernels.fp8_quant import use_triton as _use_triton
-from mlac.kernels.gemm.fp8_gemm import (
-    fp8_act_linear_ref,
-    fp8_linear_ref,
-    next_power_of_2,
-    sm_count,
-    split_k_for,
-    split_k_locks,
-)
-from mlac.kernels.moe.decode import (
-    MoeDecodeConfig,
-    SharedExperts,
-    moe_decode_down,
-    moe_decode_down_sum,
-    moe_decode_gate_up,
-    pick_moe_decode_config,
-    shared_chunks,
-    shared_widens_sum,
-)
-
-
-def _expert_linear(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, x_act: Fp8Act | None = None
-) -> torch.Tensor:
-    if scale is None:
-        return F.linear(x, w.to(x.dtype))
-    if x_act is not None:  # x's quantization, made by its producer
-        return fp8_act_linear_ref(x_act, w, scale, x.dtype)
-    return fp8_linear_ref(x, w, scale)
-
-
-def fused_moe_ref(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    shared_out: torch.Tensor | None = None,
-    x_act: Fp8Act | None = None,
-) -> torch.Tensor:
-    """x [T, D] -> sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]), [T, D] in x's dtype.
-
-    expert(x) = w2 @ (silu(gate) * up), gate/up = halves of w13 @ x. Expert ids outside
-    [0, E) are skipped (they belong to another rank under expert parallelism). shared_out
-    [T, D] in x's dtype (the shared experts' output) is added to the float32 sum before its one
-    rounding: (routed_f32 + shared_out.float()).to(x.dtype). x_act: see `fused_moe`.
-    """
-    t, d = x.shape
-    e, two_i, _ = w13.shape
-    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
-    flat_ids = topk_ids.reshape(-1)
-    for expert in torch.unique(flat_ids).tolist():
-        if not 0 <= expert < e:
-            continue
-        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        x_rows = None if x_act is None else Fp8Act(x_act.q[token], x_act.scale[token], x.dtype)
-        h = _expert_linear(x[token], w13[expert], None if w13_scale is None else w13_scale[expert], x_rows)
-        gate, up = h.split(two_i // 2, dim=-1)
-        y = _expert_linear(F.silu(gate) * up, w2[expert], None if w2_scale is None else w2_scale[expert])
-        out.index_add_(0, token, y.to(torch.float32) * topk_weights[token, slot, None].to(torch.float32))
-    if shared_out is not None:
-        out += shared_out.to(torch.float32)
-    return out.to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Triton path. Token-expert pairs p = t * top_k + j are grouped by expert into BLOCK_M-row blocks
-# (moe_align); GEMM1 computes h[p] = silu(x[t] @ gate_e.T) * (x[t] @ up_e.T) per block, GEMM2
-# y[p] = h[p] @ w2_e.T, and a last pass sums out[t] = sum_j w[t, j] * y[p] over valid experts.
-# Roundings follow fused_moe_ref: gate, up, silu(gate), h and y are rounded to x's dtype, and with
-# FP8 weights h is re-quantized per pair per 128 channels (fused into GEMM1's epilogue).
-# At decode a few experts' blocks give too few tiles for the GPU: the GEMMs then split K
-# (MoeConfig.split_k), and the last split of each tile sums the float32 partials before the epilogue.
+from mlac.kernels.gemm.fp8_gemm import sm_count, split_k_for, split_k_locks
+from mlac.kernels.moe.align import moe_align
 
 
 @dataclass(frozen=True)
@@ -118,110 +53,32 @@ class MoeConfig:
     split_k: int = 1  # K ranges of each GEMM (reduced by the last CTA of a tile); 0: split_k_for picks
 
 
-@jit(dynamic=("P", "max_padded", "max_blocks"))
-def _moe_align_kernel(
-    ids_ptr,
-    counts_ptr,
-    rank_ptr,
-    sorted_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    P,
-    E,
-    max_padded,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BCHUNK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_start(PDL)
-    # One program. counts_ptr [E_PAD] and rank_ptr [P] are scratch.
-    e_offs = tl.arange(0, E_PAD)
-    tl.store(counts_ptr + e_offs, tl.zeros([E_PAD], dtype=tl.int32))
-    tl.debug_barrier()
-    for start in range(0, P, CHUNK):  # rank of each pair within its expert (any order will do)
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-        valid = (ids >= 0) & (ids < E)
-        rank = tl.atomic_add(counts_ptr + tl.where(valid, ids, 0), 1, mask=valid)
-        tl.store(rank_ptr + offs, rank, mask=valid)
-    tl.debug_barrier()
-    counts = tl.load(counts_ptr + e_offs, cache_modifier=".cg")
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)  # [E_PAD] inclusive
-    total = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, total)
-    tl.debug_barrier()
-    tl.store(counts_ptr + e_offs, ends - padded)  # counts_ptr now holds each expert's first slot
-    for start in range(0, max_padded, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + P, mask=offs < max_padded)
-    for start in range(0, max_blocks, BCHUNK):
-        blk = start + tl.arange(0, BCHUNK)
-        first = blk * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)  # [BCHUNK]
-        expert = tl.where(first < total, expert, -1)
-        tl.store(block_expert_ptr + blk, expert, mask=blk < max_blocks)
-    tl.debug_barrier()
-    for start in range(0, P, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-        valid = (ids >= 0) & (ids < E)
-        rank = tl.load(rank_ptr + offs, mask=valid, other=0, cache_modifier=".cg")
-        first = tl.load(counts_ptr + tl.where(valid, ids, 0), mask=valid, other=0, cache_modifier=".cg")
-        tl.store(sorted_ptr + first + rank, offs, mask=valid)
+def pick_moe_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
+    """Default tiles from the mean rows per expert: decode streams weights with 16-row blocks,
+    prefill uses larger tiles (the padding unit is block_m, so it grows with the rows)."""
+    rows = num_pairs / num_experts
+    if rows <= 24:  # FP8: split K where the few experts' tiles leave SMs idle (split_k_for)
+        return MoeConfig(16, 128, 128, 128, 4, 4, split_k=0) if fp8 else MoeConfig(16, 64, 64, 128)
+    if rows <= 96:
+        return MoeConfig(32, 128 if fp8 else 64, 128, 128, num_warps=4, num_stages=3)
+    if fp8:
+        return MoeConfig(64, 128, 128, 128, num_warps=8, num_stages=3)
+    if rows < 128:
+        return MoeConfig(64, 128, 128, 64, num_warps=8, num_stages=3)
+    return MoeConfig(128, 128, 128, 64, num_warps=8, num_stages=3)
 
 
-def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group token-expert pairs by expert, each expert padded to a multiple of block_m rows.
-
-    topk_ids [T, k] -> (sorted_pairs [max_padded] int32: pair index t * k + j, or T * k as
-    padding; block_expert [max_blocks] int32: expert of each block, -1 past the end;
-    num_padded [1] int32). Sizes depend on T, k, E and block_m only (CUDA-graph safe):
-    max_padded = T*k + min(T*k, E) * (block_m - 1). Ids outside [0, E) are left out.
-    Order inside an expert is unspecified.
-    """
-    assert HAS_TRITON, "moe_align needs triton"
-    assert topk_ids.dim() == 2 and topk_ids.is_contiguous(), topk_ids.shape
-    p = topk_ids.numel()
-    max_padded, max_blocks = align_sizes(p, num_experts, block_m)
-    dev = topk_ids.device
-    e_pad = triton.next_power_of_2(num_experts)
-    counts = torch.empty(e_pad, dtype=torch.int32, device=dev)
-    rank = torch.empty(max(p, 1), dtype=torch.int32, device=dev)
-    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    _moe_align_kernel[(1,)](
-        topk_ids,
-        counts,
-        rank,
-        sorted_pairs,
-        block_expert,
-        num_padded,
-        p,
-        num_experts,
-        max_padded,
-        max_blocks,
-        BLOCK_M=block_m,
-        E_PAD=e_pad,
-        CHUNK=1024,
-        BCHUNK=max(16, 8192 // e_pad),
-        num_warps=8,
-        **pdl_launch(),
-    )
-    return sorted_pairs, block_expert, num_padded
+def _split_for(cfg: MoeConfig, tiles: int, k: int, device: torch.device) -> int:
+    """K splits of one grouped GEMM: cfg.split_k (at most one per K block), or with 0 what
+    `split_k_for` picks to fill the GPU (decode: a few experts' blocks give too few tiles)."""
+    return split_of(cfg, tiles, k, sm_count(device))
 
 
-def align_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
-    """`moe_align`'s (max_padded, max_blocks) for num_pairs token-expert pairs: each expert that can
-    hold a pair padded by up to block_m - 1 rows."""
-    max_padded = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    return max_padded, -(-max_padded // block_m)
+def split_of(cfg: MoeConfig, tiles: int, k: int, sms: int) -> int:
+    """`_split_for` on a GPU of `sms` SMs (pure: the warm-up plans with it)."""
+    if cfg.split_k == 0:
+        return split_k_for(tiles, k, sms)
+    return max(1, min(cfg.split_k, -(-k // cfg.block_k)))
 
 
 @jit(dynamic=("P", "num_blocks"))
@@ -389,117 +246,6 @@ def _split_k_sum(acc, acc_u, ws_ptr, lock_ptr, tile, pid_k, rows, cols, mask, nu
     return total, total_u, last_rows
 
 
-@jit(dynamic=("T",))
-def _moe_reduce_kernel(
-    y_ptr,
-    w_ptr,
-    ids_ptr,
-    out_ptr,
-    shared_ptr,
-    T,
-    D,
-    E,
-    stride_y,
-    stride_out,
-    stride_ss,
-    stride_shared,
-    TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    N_SHARED: tl.constexpr,  # rows of shared [N_SHARED, T, D] to add
-    PDL: tl.constexpr,
-):
-    pdl_start(PDL)
-    # out[t] = sum_j w[t, j] * y[t * TOP_K + j] over the pairs whose expert is in [0, E)
-    # (+ sum_c shared[c, t]), summed in float32 and rounded once
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    t_ok = t < T
-    d_ok = offs < D
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = t * TOP_K + j
-        e = tl.load(ids_ptr + pair, mask=t_ok, other=-1)
-        ok = t_ok & (e >= 0) & (e < E)
-        w = tl.where(ok, tl.load(w_ptr + pair, mask=ok, other=0.0).to(tl.float32), 0.0)
-        y_mask = ok[:, None] & d_ok[None, :]
-        y = tl.load(y_ptr + pair[:, None] * stride_y + offs[None, :], mask=y_mask, other=0.0)
-        acc += y.to(tl.float32) * w[:, None]
-    for c in tl.static_range(N_SHARED):
-        s_ptrs = shared_ptr + c * stride_ss + t[:, None] * stride_shared + offs[None, :]
-        acc += tl.load(s_ptrs, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    out = cast_out(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t[:, None] * stride_out + offs[None, :], out, mask=t_ok[:, None] & d_ok[None, :])
-
-
-def pick_moe_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
-    """Default tiles from the mean rows per expert: decode streams weights with 16-row blocks,
-    prefill uses larger tiles (the padding unit is block_m, so it grows with the rows)."""
-    rows = num_pairs / num_experts
-    if rows <= 24:  # FP8: split K where the few experts' tiles leave SMs idle (split_k_for)
-        return MoeConfig(16, 128, 128, 128, 4, 4, split_k=0) if fp8 else MoeConfig(16, 64, 64, 128)
-    if rows <= 96:
-        return MoeConfig(32, 128 if fp8 else 64, 128, 128, num_warps=4, num_stages=3)
-    if fp8:
-        return MoeConfig(64, 128, 128, 128, num_warps=8, num_stages=3)
-    if rows < 128:
-        return MoeConfig(64, 128, 128, 64, num_warps=8, num_stages=3)
-    return MoeConfig(128, 128, 128, 64, num_warps=8, num_stages=3)
-
-
-def _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
-    t, d = x.shape
-    e, two_i, d1 = w13.shape
-    i = two_i // 2
-    assert d1 == d and two_i == 2 * i, f"w13 {tuple(w13.shape)} vs x [*, {d}]"
-    assert tuple(w2.shape) == (e, d, i), f"w2 {tuple(w2.shape)}, expected {(e, d, i)}"
-    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t, (topk_ids.shape, t)
-    assert not topk_ids.is_floating_point(), topk_ids.dtype
-    assert x.dtype in (torch.bfloat16, torch.float16), f"Triton MoE takes bf16/fp16 x, got {x.dtype}"
-    assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights need contiguous rows"
-    if w13_scale is None:
-        assert w2_scale is None and w13.dtype == w2.dtype == x.dtype, (w13.dtype, w2.dtype, x.dtype)
-        return
-    assert w2_scale is not None and w13.dtype == w2.dtype == FP8, (w13.dtype, w2.dtype)
-    assert w13_scale.dtype == w2_scale.dtype == torch.float32
-    assert tuple(w13_scale.shape) == (e, math.ceil(two_i / BLOCK), math.ceil(d / BLOCK)), w13_scale.shape
-    assert tuple(w2_scale.shape) == (e, math.ceil(d / BLOCK), math.ceil(i / BLOCK)), w2_scale.shape
-    assert w13_scale.stride(-1) == 1 and w2_scale.stride(-1) == 1
-
-
-def _split_for(cfg: MoeConfig, tiles: int, k: int, device: torch.device) -> int:
-    """K splits of one grouped GEMM: cfg.split_k (at most one per K block), or with 0 what
-    `split_k_for` picks to fill the GPU (decode: a few experts' blocks give too few tiles)."""
-    return split_of(cfg, tiles, k, sm_count(device))
-
-
-def split_of(cfg: MoeConfig, tiles: int, k: int, sms: int) -> int:
-    """`_split_for` on a GPU of `sms` SMs (pure: the warm-up plans with it)."""
-    if cfg.split_k == 0:
-        return split_k_for(tiles, k, sms)
-    return max(1, min(cfg.split_k, -(-k // cfg.block_k)))
-
-
-def moe_variants(t: int, top_k: int, num_experts: int, d: int, i: int, fp8: bool, sms: int) -> list[tuple]:
-    """The grouped path's kernel variants (one tuple per kernel: its name and the integers Triton
-    compiles it for) that `fused_moe_triton` launches for a step of t tokens: x [t, d], w13
-    [num_experts, 2i, d], on a GPU of `sms` SMs. What the warm-up must meet (step_variants.py)."""
-    p = t * top_k
-    decode = pick_moe_decode_config(p, num_experts, fp8)
-    if decode is not None:  # the decode GEMVs, and the top-k reduce unless GEMM2 sums
-        return [("moe_decode", decode)] + ([] if decode.fuse_sum else [("moe_reduce", *reduce_blocks(t, d))])
-    cfg = pick_moe_config(p, num_experts, fp8)
-    num_blocks = align_sizes(p, num_experts, cfg.block_m)[1]
-    split1 = split_of(cfg, num_blocks * -(-i // cfg.block_n1), d, sms)
-    split2 = split_of(cfg, num_blocks * -(-d // cfg.block_n2), i, sms)
-    return [
-        ("moe_align", cfg.block_m),
-        ("moe_gemm1", cfg, split1),
-        ("moe_gemm2", cfg, split2),
-        ("moe_reduce", *reduce_blocks(t, d)),
-    ]
-
-
 def _split_buffers(
     split: int, rows: int, width: int, tiles: int, out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -518,53 +264,27 @@ def _checked_act(x_act: Fp8Act, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q, s
 
 
-def fused_moe_triton(
+def moe_grouped_gemms(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    config: MoeConfig | MoeDecodeConfig | None = None,
-    shared_out: torch.Tensor | None = None,
-    x_act: Fp8Act | None = None,
-    shared: SharedExperts | None = None,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    x_act: Fp8Act | None,
+    cfg: MoeConfig,
 ) -> torch.Tensor:
-    """Triton fused MoE; contract as `fused_moe_ref` (x bf16/fp16; weights in x's dtype or e4m3).
-
-    Launches: [act_quant, unless x_act is given], moe_align, GEMM1 (+SiLU*up, +FP8 re-quant), GEMM2,
-    top-k reduce (+ shared_out, added in float32 before the one rounding). A GEMM split over K
-    (config.split_k) reduces its splits in its own launch. Decode shapes (a few rows per expert:
-    `pick_moe_decode_config`, or a MoeDecodeConfig given) run moe_decode's GEMVs instead: GEMM1,
-    GEMM2 and top-k reduce, or GEMM2 with the top-k sum in one launch (MoeDecodeConfig.fuse_sum).
-    `shared` (instead of shared_out): the shared experts, inside the decode GEMVs' launches where
-    `shared_chunks` takes them, else their own MLP (`shared.mlp`, run first) as shared_out.
-    """
-    _check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    """GEMM1 and GEMM2 of every pair: y [T * top_k, D] in x's dtype, y[t * top_k + j] = expert
+    ids[t, j] on x[t] with fused_moe_ref's roundings; rows of pairs whose expert is outside [0, E)
+    are not written. Launches: moe_align, [act_quant, unless x_act is given], GEMM1 (+SiLU*up, +FP8
+    re-quant), GEMM2; a GEMM split over K (cfg.split_k) reduces its splits in its own launch.
+    Arguments checked by `fused_moe_triton`; topk_ids contiguous, T * top_k > 0."""
     t, d = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
     top_k = topk_ids.shape[1]
     p = t * top_k
     fp8 = w13_scale is not None
-    cfg = config or pick_moe_decode_config(p, e, fp8) or pick_moe_config(p, e, fp8)
-    n_shared = shared_chunks(shared, w13, w13_scale) if isinstance(cfg, MoeDecodeConfig) and p > 0 else 0
-    widens = n_shared and cfg.fuse_sum and shared_widens_sum(top_k, n_shared)
-    fused = shared if n_shared and not widens else None
-    if shared is not None:
-        assert shared_out is None, "give the shared experts as shared_out or as shared, not both"
-        shared_out = None if fused is not None else shared.mlp(x, x_act)
-    if shared_out is not None:
-        assert shared_out.shape == x.shape and shared_out.dtype == x.dtype, tuple(shared_out.shape)
-        assert shared_out.stride(-1) == 1 and shared_out.device == x.device, "shared_out: contiguous rows"
-    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    if p == 0:
-        return out.zero_() if shared_out is None else out.copy_(shared_out)
-    topk_ids = topk_ids.contiguous()
-    if isinstance(cfg, MoeDecodeConfig):
-        args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-        return _decode_moe(*args, cfg, shared_out, x_act if fp8 else None, fused, out)
     if fp8:
         assert cfg.block_k == cfg.block_n1 == BLOCK, f"FP8 MoE needs 128-wide K and GEMM1 tiles: {cfg}"
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids, e, cfg.block_m)
@@ -664,138 +384,4 @@ def fused_moe_triton(
         **common,
         **pdl_launch(),
     )
-    return _reduce_top_k(y, topk_weights, topk_ids, e, out, _as_rows(shared_out))
-
-
-def _decode_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    cfg: MoeDecodeConfig,
-    shared_out: torch.Tensor | None,
-    x_act: Fp8Act | None,
-    shared: SharedExperts | None,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """The decode GEMVs of moe_decode into out [T, D]: GEMM1, then GEMM2 with the top-k sum or
-    GEMM2 and `_reduce_top_k`; with `shared` (fitting: `shared_chunks`) its chunks ride along in
-    each launch and are summed with weight 1.0 (shared_out is then None)."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    h = moe_decode_gate_up(x, w13, topk_ids, w13_scale, x_act, cfg, shared)
-    if cfg.fuse_sum:
-        return moe_decode_down_sum(h, w2, topk_weights, topk_ids, w2_scale, shared_out, out, cfg, shared)
-    y = moe_decode_down(h, w2, topk_ids, w2_scale, cfg, shared)  # [P + n * T, D]
-    p = topk_ids.numel()
-    rows = _as_rows(shared_out) if shared is None else y[p:].unflatten(0, (-1, x.shape[0]))  # [n, T, D]
-    return _reduce_top_k(y, topk_weights, topk_ids, w13.shape[0], out, rows)
-
-
-def _as_rows(shared_out: torch.Tensor | None) -> torch.Tensor | None:
-    """The shared MLP's output [T, D] as `_reduce_top_k`'s shared rows [1, T, D]."""
-    return None if shared_out is None else shared_out.unsqueeze(0)
-
-
-def reduce_blocks(t: int, d: int) -> tuple[int, int]:
-    """`_moe_reduce_kernel`'s (BLOCK_T, BLOCK_D) for out [t, d]: BLOCK_T grows with t up to
-    4096 // BLOCK_D (a constexpr picked per step: 1, 2, then 4 at DeepSeek's widths)."""
-    block_d = min(1024, next_power_of_2(d))
-    return min(max(1, 4096 // block_d), next_power_of_2(t)), block_d
-
-
-def _reduce_top_k(
-    y: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    num_experts: int,
-    out: torch.Tensor,
-    shared_rows: torch.Tensor | None,
-) -> torch.Tensor:
-    """out [T, D] = sum_j topk_weights[t, j] * y[t * top_k + j] over pairs whose expert is in
-    [0, num_experts) (+ sum_c shared_rows[c], shared_rows [n, T, D]: the shared MLP's output, or the
-    shared chunks' rows of y), summed in float32 and rounded once; rows of y of other pairs are not
-    read. topk_ids contiguous."""
-    t, d = out.shape
-    top_k = topk_ids.shape[1]
-    block_t, block_d = reduce_blocks(t, d)
-    _moe_reduce_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block_d))](
-        y,
-        topk_weights.contiguous(),
-        topk_ids,
-        out,
-        out if shared_rows is None else shared_rows,  # unused without shared rows
-        t,
-        d,
-        num_experts,
-        y.stride(0),
-        out.stride(0),
-        0 if shared_rows is None else shared_rows.stride(0),
-        0 if shared_rows is None else shared_rows.stride(1),
-        TOP_K=top_k,
-        BLOCK_T=block_t,
-        BLOCK_D=block_d,
-        N_SHARED=0 if shared_rows is None else shared_rows.shape[0],
-        num_warps=4,
-        **pdl_launch(),
-    )
-    return out
-
-
-def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    *,
-    use_triton: bool | None = None,
-    config: MoeConfig | MoeDecodeConfig | None = None,
-    shared_out: torch.Tensor | None = None,
-    x_act: Fp8Act | None = None,
-    shared: SharedExperts | None = None,
-) -> torch.Tensor:
-    """Dispatching entry point (Triton on CUDA, reference on CPU); contract as fused_moe_ref
-    (shared_out [T, D] in x's dtype: returns routed + shared_out with one rounding).
-
-    shared: the shared experts (their weights and their MLP) in place of shared_out: at decode
-    shapes on the Triton path they run inside the routed experts' launches (`fused_moe_triton`),
-    elsewhere `shared.mlp(x, x_act)` gives shared_out.
-
-    x_act: with FP8 weights, x already quantized by its producer (must be `quantize_act_ref(x)`'s
-    bits, an `rms_norm_quant` say): GEMM1 reads it instead of quantizing x again. x is still
-    needed (the output's shape and dtype; the reference's bf16 path). Ignored with bf16 weights.
-
-    The Triton path takes bf16/fp16 x with weights in x's dtype or e4m3 + scales; other dtype
-    mixes (float32 x, say) run the reference on any device. `use_triton` forces the choice.
-    """
-    triton_ok = x.dtype in (torch.bfloat16, torch.float16) and (
-        w13.dtype == FP8 if w13_scale is not None else w13.dtype == x.dtype
-    )
-    if use_triton and not triton_ok:
-        raise ValueError(f"no Triton MoE for x {x.dtype} with weights {w13.dtype}")
-    if triton_ok and _use_triton(x, use_triton):
-        return fused_moe_triton(
-            x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, config, shared_out, x_act, shared
-        )
-    if shared is not None:
-        assert shared_out is None, "give the shared experts as shared_out or as shared, not both"
-        shared_out = shared.mlp(x, x_act)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, shared_out, x_act)
-
-
-__all__ = [
-    "MoeConfig",
-    "MoeDecodeConfig",
-    "SharedExperts",
-    "dequantize_blocks",
-    "fused_moe",
-    "fused_moe_ref",
-    "fused_moe_triton",
-    "moe_align",
-    "pick_moe_config",
-]
+    return y

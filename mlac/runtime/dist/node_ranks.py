@@ -28,7 +28,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-PRELOAD = "mlac.runtime.worker.runner"  # what a spawned rank imports while it waits: torch and the runtime
+PRELOAD = (
+    "mlac.runtime.worker.distributed"  # what a spawned rank imports while it waits: torch and the runtime
+)
 STOP_GRACE_S = 5.0  # for a rank that was never handed its work to exit once terminated
 
 

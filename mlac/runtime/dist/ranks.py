@@ -1,6 +1,6 @@
 """The ranks of a multi-rank artifact: who runs where, how they meet, how rank 0 drives them.
 
-One process per rank. Three ways to start them, one code path (runner.make_runner):
+One process per rank. Three ways to start them, one code path (start.make_runner):
 
     one machine      the process that loads the artifact becomes rank 0 and spawns ranks 1..tp-1
     --nnodes N       each node's process spawns its tp/N local ranks: global rank

@@ -16,8 +16,9 @@ from __future__ import annotations
 import itertools
 import numbers
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,11 +26,13 @@ from mlac.core.artifact import TOKENIZER_DIR, Manifest
 from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.core.fp8 import FP8
+from mlac.core.options import build
 from mlac.core.validity import check_artifact
 from mlac.kernels.gemm.fp8_gemm import sm_count
-from mlac.kernels.gemm.gemv import DENSE_DTYPES
+from mlac.kernels.gemm.gemv_configs import DENSE_DTYPES
 from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
 from mlac.runtime.engine.constrain import Grammars
+from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from mlac.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from mlac.runtime.engine.sequence import Delta, FinishReason
@@ -42,9 +45,11 @@ from mlac.runtime.model.layers import Linear, Weights
 from mlac.runtime.model.model import DeepseekModel, MoE
 from mlac.runtime.model.parallel import ParallelLMHead
 from mlac.runtime.step import Step
-from mlac.runtime.worker.kernel_cache import CacheMode, use_kernel_cache
+from mlac.runtime.worker.build import make_cache
+from mlac.runtime.worker.kernel_cache import use_kernel_cache
 from mlac.runtime.worker.loader import to_compute_dtype
-from mlac.runtime.worker.runner import LaunchSpec, ModelRunner, RuntimeOptions, make_cache, make_runner
+from mlac.runtime.worker.runner import ModelRunner
+from mlac.runtime.worker.start import make_runner
 
 Prompt = str | Sequence[int]
 
@@ -77,9 +82,9 @@ class Engine:
         runner: ModelRunner,
         tokenizer: Tokenizer | None = None,
         manifest: Manifest | None = None,
-        scheduler_config: SchedulerConfig | None = None,
-        max_model_len: int | None = None,
+        options: EngineOptions | None = None,
     ):
+        options = options or EngineOptions()
         self.config = config
         self.runner = runner
         self.cache = runner.cache  # rank 0's KV cache: its capacity
@@ -87,8 +92,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.manifest = manifest
         self.device = runner.device
-        self.scheduler_config = scheduler_config or SchedulerConfig()
-        self.max_model_len = max_model_len  # caps max_context (None: the model's max_position_embeddings)
+        self.scheduler_config = options.scheduler
+        self.max_model_len = options.runtime.max_model_len  # caps max_context (None: max_position_embeddings)
         # the start's phases in seconds and sizes (the runner's load and graphs; the server adds more)
         self.startup: dict[str, float] = dict(getattr(runner, "startup", {}))
         self._seq_ids = itertools.count()
@@ -97,50 +102,41 @@ class Engine:
     # ---- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_artifact(
-        cls,
-        path: str | Path,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.bfloat16,
-        verify: bool = True,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        block_size: int = 16,
-        launch: LaunchSpec | None = None,
-        scheduler_config: SchedulerConfig | None = None,
-        cuda_graph: bool = True,
-        cuda_graph_max_bs: int = 256,
-        gpu_memory_utilization: float = 0.9,
-        max_model_len: int | None = None,
-        kernel_cache: CacheMode = "use",
-        dp_attention: bool | None = None,
-        require_signature: Path | None = None,
-    ) -> Engine:
-        """Verify (sizes, and sha256 unless verify=False) and load an artifact; size the KV cache
-        from `num_blocks`, else from `kv_cache_bytes`, else on CUDA from the artifact's memory plan
-        (what `gpu_memory_utilization` of the GPU leaves after weights, graphs and activations,
-        decided before loading: MlacError when nothing fits), else (CPU) 1 GiB capped at what four
-        sequences of max_position_embeddings tokens need; in the artifact's kv_cache_dtype.
-        `max_model_len` caps max_context. On CUDA, decode steps of up to `cuda_graph_max_bs`
-        sequences run as CUDA graphs (captured here) unless `cuda_graph` is False. `launch` says
-        how the ranks of a multi-rank artifact find each other (see runner.make_runner).
-        `kernel_cache`: use the artifact's compile cache of this GPU if it holds one ("require":
-        refuse to start without), before any kernel is compiled (kernel_cache.use_kernel_cache).
-        `dp_attention`: True / False refuses an artifact whose plan says otherwise (None: any).
+    def from_artifact(cls, path: str | Path, options: EngineOptions | None = None, **fields: Any) -> Engine:
+        """Verify (sizes, and sha256 unless runtime.verify is False) and load an artifact as `options`
+        say (default EngineOptions()), with `fields` changed: names of EngineOptions, RuntimeOptions
+        or SchedulerConfig fields, e.g. `Engine.from_artifact("out/", device="cpu",
+        dtype=torch.float32, num_blocks=64, max_running_requests=8)`.
+
+        The KV cache holds `num_blocks`, else `kv_cache_bytes`, else on CUDA what the artifact's
+        memory plan leaves of `gpu_memory_utilization` of the GPU after weights, graphs and
+        activations (decided before loading: MlacError when nothing fits), else (CPU) 1 GiB capped
+        at what four sequences of max_position_embeddings tokens need; in the artifact's
+        kv_cache_dtype. `max_model_len` caps max_context. On CUDA, decode steps of up to
+        `cuda_graph_max_bs` sequences run as CUDA graphs (captured here) unless `cuda_graph` is
+        False. `launch` says how the ranks of a multi-rank artifact find each other (see
+        start.make_runner). `kernel_cache`: use the artifact's compile cache of this GPU if it
+        holds one ("require": refuse to start without), before any kernel is compiled
+        (kernel_cache.use_kernel_cache). `dp_attention`: True / False refuses an artifact whose plan
+        says otherwise (None: any). `chat_template`: a Jinja file used instead of the artifact's.
         `require_signature`: a PEM public key; the artifact's signature must verify with it before
         anything loads, and a kernel-cache unit is used only if signed by it too."""
-        checked = check_artifact(path, hashes=False, identity_required=verify, public_key=require_signature)
+        options = build(EngineOptions, fields, options)
+        rt = options.runtime
+        # the one check of a valid artifact (core/validity.py; the bytes are hashed as each rank reads
+        # them), and its signature when required: before anything loads
+        checked = check_artifact(path, hashes=False, identity_required=rt.verify, public_key=rt.require_signature)
         manifest = checked.manifest
-        use_kernel_cache(checked, device, kernel_cache, verify, public_key=require_signature)
-        spec = (scheduler_config or SchedulerConfig()).speculative_num_steps
+        use_kernel_cache(checked, rt.device, rt.kernel_cache, rt.verify, public_key=rt.require_signature)
+        spec = options.scheduler.speculative_num_steps
         check_spec(spec, manifest.mtp is not None, manifest.plan.dp_attention)
         draft_layers = len(manifest.mtp.prefixes) if spec and manifest.mtp is not None else 0
-        options = RuntimeOptions(num_blocks, kv_cache_bytes, block_size, cuda_graph, cuda_graph_max_bs,
-                                 gpu_memory_utilization, max_model_len, draft_layers, dp_attention)  # fmt: skip
-        runner = make_runner(path, manifest, device, dtype, verify, launch=launch, options=options)
+        runner = make_runner(path, manifest, replace(rt, draft_layers=draft_layers), launch=options.launch)
         tok_dir = Path(path) / TOKENIZER_DIR
         tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
-        return cls(manifest.model, runner, tokenizer, manifest, scheduler_config, max_model_len)
+        if options.chat_template is not None and tokenizer is not None:
+            tokenizer.use_chat_template(options.chat_template)
+        return cls(manifest.model, runner, tokenizer, manifest, options)
 
     @classmethod
     def from_tensors(
@@ -148,25 +144,24 @@ class Engine:
         config: ModelConfig,
         tensors: dict[str, torch.Tensor],
         tokenizer: Tokenizer | None = None,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.bfloat16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        block_size: int = 16,
+        options: EngineOptions | None = None,
         kv_dtype: str = "bf16",
-        scheduler_config: SchedulerConfig | None = None,
+        **fields: Any,
     ) -> Engine:
-        """An engine over in-memory tensors under mlac names (tests, tools); cast as the loader does."""
-        tensors = {k: to_compute_dtype(k, t, dtype).to(device) for k, t in tensors.items()}
+        """An engine over in-memory tensors under mlac names (tests, tools), cast as the loader does;
+        `options` and `fields` as from_artifact's (the runtime's device, dtype and KV cache size;
+        the scheduler's limits); `kv_dtype` the KV cache's element type."""
+        options = build(EngineOptions, fields, options)
+        rt = options.runtime
+        tensors = {k: to_compute_dtype(k, t, rt.dtype).to(rt.device) for k, t in tensors.items()}
         model = DeepseekModel(config, Weights(tensors, source="tensors"))
-        spec = (scheduler_config or SchedulerConfig()).speculative_num_steps
+        spec = options.scheduler.speculative_num_steps
         check_spec(spec, len(model.mtp) > 0)
         extra = len(model.mtp) if spec else 0
-        cache = make_cache(
-            config, device, dtype, num_blocks, kv_cache_bytes, block_size, kv_dtype, None, extra
-        )
+        cache = make_cache(config, rt.device, rt.dtype, rt.num_blocks, rt.kv_cache_bytes, rt.block_size, kv_dtype,
+                           None, extra)  # fmt: skip
         runner = ModelRunner(model, cache)
-        return cls(config, runner, tokenizer, scheduler_config=scheduler_config)
+        return cls(config, runner, tokenizer, options=options)
 
     def close(self) -> None:
         """Stop what the engine started (the other ranks' processes of a multi-rank artifact)."""
@@ -252,11 +247,15 @@ class Engine:
             if length < 1 or n_seq * alloc.blocks_for(length + 2) > alloc.num_free:
                 continue
             # each shape's own prompts (k): one shape's must not be a cached prefix of the next's
-            prompts = [[3 + (i * 31 + j * 7 + k * 13) % (vocab - 3) for j in range(length)] for i in range(n_seq)]
+            prompts = [
+                [3 + (i * 31 + j * 7 + k * 13) % (vocab - 3) for j in range(length)] for i in range(n_seq)
+            ]
             self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
             twice = n_seq == 1 and want in single  # the variants' lengths once: their kernels are met
             if self.scheduler_config.prefix_cache and twice and length > alloc.block_size:
-                self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # an extend after a cached prefix
+                self.generate(
+                    prompts, SamplingParams(max_tokens=2, ignore_eos=True)
+                )  # an extend after a cached prefix
             ran.append((n_seq, length))
         return ran + self._warm_shared_prefix()
 

@@ -26,7 +26,7 @@ class ForwardBatch:
     `ctx_lens[i] + q_lens[i]` tokens causally. `is_decode` (every q_len == 1) selects the
     absorbed attention over the paged cache; otherwise prefill/extend runs in MHA form over the
     sequences' cached tokens, gathered by `kv_slots`. Tensor dtypes follow the kernels'
-    contracts (kernels/mla_decode.py, kernels/extend_attention.py).
+    contracts (kernels/attention/mla_decode.py, kernels/attention/extend.py).
     """
 
     is_decode: bool

@@ -55,7 +55,7 @@ class PagedKVCache:
     `kv_dtype` (the artifact's `options.kv_cache_dtype`) picks the stored element type: "bf16"
     stores the compute dtype as it is; "fp8_e4m3" / "fp8_e5m2" store FP8 with one static float32
     scale per layer (`scales[layer]`, a one-element tensor: value = stored * scale, the
-    `kv_scale` contract of kernels/mla_decode.py). Writes quantize (divide by the scale, clamp to
+    `kv_scale` contract of kernels/attention/mla_decode.py). Writes quantize (divide by the scale, clamp to
     the format's finite range, round); reads dequantize to the compute dtype. The scale defaults
     to 1.0: kv_norm'ed latents and roped keys sit well inside e4m3's range (|x| <= 448), and a
     static scale keeps a token's stored bytes independent of what else is in the cache.
@@ -151,5 +151,3 @@ class PagedKVCache:
         if self.quantized:
             return (stored.float() * self.scales[layer]).to(self.dtype)
         return stored
-
-

@@ -21,8 +21,8 @@ where there were up to 5 (+ the split merge when num_splits > 1, + o_proj's act_
 MLAC_FUSED_MLA_OUT=0 (read once, at import) gives the separate merge and act_quant launches back.
 The merge moves into head_bmm only up to FUSED_MERGE_MAX_SPLITS splits (see there).
 Decode rows of one sequence (a flattened extend, a speculative verify: graphs.py) may run
-grouped (`row_groups`, kernels/mla_decode.py): one program per group loads each KV tile once for
-all its rows. The CUDA graphs choose the form per step (mla_decode.prefer_row_groups);
+grouped (`row_groups`, kernels/attention/mla_decode.py): one program per group loads each KV tile
+once for all its rows. The CUDA graphs choose the form per step (mla_decode_plan.prefer_row_groups);
 MLAC_MLA_ROW_GROUPS=0 (read once, at import) keeps every step per-row (an end-to-end A/B).
 
 Sequences of an extend step that share cached blocks (prefix-cache hits on one system prompt,
@@ -42,7 +42,8 @@ import torch
 from mlac.core.fp8 import BLOCK
 from mlac.kernels.attention.extend import extend_attention
 from mlac.kernels.attention.head_bmm import head_bmm
-from mlac.kernels.attention.mla_decode import decode_num_splits, mla_decode
+from mlac.kernels.attention.mla_decode import mla_decode
+from mlac.kernels.attention.mla_decode_plan import decode_num_splits
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.runtime.kvcache.shared_prefix import SharedPrefix
 

@@ -18,7 +18,8 @@ from mlac.core.errors import MlacError
 from mlac.core.rope import rope_parameters
 from mlac.kernels.fp8_quant import Fp8Act, use_triton
 from mlac.kernels.gemm.fp8_gemm import FP8, fp8_linear
-from mlac.kernels.gemm.gemv import skinny_applies, skinny_linear
+from mlac.kernels.gemm.gemv import skinny_linear
+from mlac.kernels.gemm.gemv_configs import skinny_applies
 from mlac.kernels.norm_rope import rms_norm, rms_norm_quant
 
 
@@ -78,7 +79,7 @@ class Linear(nn.Module):
     produced it): same bits, one quantizing launch fewer.
 
     Decode-sized inputs (at most 16 rows, M = x.numel() // K) on the Triton path (CUDA) run
-    through the skinny GEMM instead (kernels/gemv.py: one launch that streams W, same numerics
+    through the skinny GEMM instead (kernels/gemm/gemv.py: one launch that streams W, same numerics
     up to summation order), unless MLAC_SKINNY_GEMM=0 was set when this module was imported. M is
     fixed per CUDA-graph bucket, so the choice is fixed at capture.
     """

@@ -30,9 +30,10 @@ from mlac.core.config import ModelConfig
 from mlac.kernels.activation import silu_mul, silu_mul_quant
 from mlac.kernels.attention.mla_prep import mla_prep
 from mlac.kernels.fp8_quant import Fp8Act
-from mlac.kernels.moe.grouped import SharedExperts, fused_moe
+from mlac.kernels.moe.fused import fused_moe
 from mlac.kernels.moe.router_gemv import gate_and_route
 from mlac.kernels.moe.routing import RoutingSpec
+from mlac.kernels.moe.shared import SharedExperts
 from mlac.runtime.kvcache.batch import ForwardBatch
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.model.attention import (

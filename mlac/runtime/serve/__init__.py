@@ -1,9 +1,13 @@
 """OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn), one concern per module:
 
-    config.py     ServerConfig: everything `mlac serve` is told, and the request limits
+    config.py     ServerConfig: everything `mlac serve` is told (the HTTP side, and the engine's
+                  EngineOptions passed down whole), and the request limits
     protocol.py   request bodies (pydantic, strict types), their validation, OpenAI's error shape
     body.py       reading a request body: size, read deadline, JSON nesting depth, valid UTF-8
-    loop.py       the engine thread (EngineLoop) and its asyncio bridge (Submission)
+    loop.py       the engine thread (EngineLoop): loads the model, runs scheduler steps
+    outlet.py     where the engine thread's output goes: each request's Sink, one hand-over per step
+    submission.py the handler's side of that bridge (Submission: submit, then await the deltas)
+    engine_errors.py  QueueFull, ShuttingDown, EngineDead, and those errors as plain data
     engine_client.py  the engine in its own process, the server's side (EngineClient, FrontEngine)
     engine_child.py   the engine in its own process, the engine's side (the pipe's messages)
     engine_process.py the engine's process itself: started first, configured, closed (imports nothing heavy)

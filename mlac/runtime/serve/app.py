@@ -2,7 +2,7 @@
 
 Each handler: read and validate the body (body.py, protocol.py), check the server may take it
 (`_admit`), tokenize and build Sequences (on the event loop when that is cheap, else in a worker
-thread: `_build`), submit them (loop.Submission), and answer with one JSON body or a stream of
+thread: `_build`), submit them (submission.Submission), and answer with one JSON body or a stream of
 server-sent events (render.py).
 """
 
@@ -27,7 +27,7 @@ from mlac.runtime.engine.sequence import Sequence
 from mlac.runtime.serve.body import read_json
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_client import EngineClient, start_engine
-from mlac.runtime.serve.loop import EngineLoop, Submission
+from mlac.runtime.serve.loop import EngineLoop
 from mlac.runtime.serve.metrics import Metrics
 from mlac.runtime.serve.protocol import (
     ApiError,
@@ -45,6 +45,7 @@ from mlac.runtime.serve.protocol import (
 )
 from mlac.runtime.serve.reasoning import prompt_opens_think
 from mlac.runtime.serve.render import ChatRender, CompletionRender, Render, sse
+from mlac.runtime.serve.submission import Submission
 from mlac.runtime.serve.tool_choice import plan_tools
 
 # Text of at most this many characters is tokenized on the event loop (well under 1 ms); more, in a
@@ -144,7 +145,7 @@ class Api:
 
     async def health(self):
         loop, draining = self.loop, self.state.draining
-        error = loop.load_error or loop.failure  # failed to load, or died since (loop.EngineDead)
+        error = loop.load_error or loop.failure  # failed to load, or died since (engine_errors.EngineDead)
         if error is not None:
             return JSONResponse({"status": "failed", "error": str(error)}, status_code=503)
         if not loop.ready or draining:

@@ -1,53 +1,40 @@
-"""ServerConfig: everything `mlac serve` is told, checked once, frozen."""
+"""ServerConfig: everything `mlac serve` is told, checked once, frozen: the outer layer of the
+options chain (ServerConfig ⊃ EngineOptions ⊃ RuntimeOptions, SchedulerConfig)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mlac.core.errors import MlacError
-from mlac.runtime.engine.scheduler import SchedulerConfig
+from mlac.core.options import Options
+from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.serve.reasoning import check_reasoning_parser
 from mlac.runtime.serve.tools import check_tool_call_parser
-
-if TYPE_CHECKING:
-    from mlac.runtime.worker.runner import LaunchSpec
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_REQUEST_BODY_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """Everything `mlac serve` is told. `api_key` None: no auth (the default bind is 127.0.0.1)."""
+class ServerConfig(Options):
+    """Everything `mlac serve` is told: the HTTP side's fields, and the `engine`'s options passed
+    down whole (build it flat with `ServerConfig.of(artifact=..., port=..., dtype=..., ...)`:
+    core/options.py). `api_key` None: no auth (the default bind is 127.0.0.1)."""
 
     artifact: Path
+    engine: EngineOptions = field(default_factory=EngineOptions)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    device: str = "cpu"  # the CLI passes check_device(--device): cuda when a GPU is present
-    dtype: str = "bfloat16"
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
     max_queue: int = 256  # requests waiting beyond max_running_requests before 503
     drain_timeout: float = 30.0
     served_model_name: str | None = None  # default: the artifact directory's name
-    launch: LaunchSpec | None = None  # how the ranks of a multi-node artifact meet
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT  # seconds to receive a whole body
-    verify: bool = True
-    cuda_graph: bool = True  # decode steps as CUDA graphs (CUDA, bf16/fp16)
-    cuda_graph_max_bs: int = 256  # the largest decode batch captured
-    dp_attention: bool | None = None  # refuse an artifact whose plan.dp_attention differs (None: any)
     warmup: bool = True  # run the step shapes once before /health turns ready (CUDA: Triton JIT)
-    gpu_memory_utilization: float = 0.9  # CUDA: the KV cache takes what this leaves (memory_plan.py)
-    max_model_len: int | None = None  # caps the context (default: the model's max_position_embeddings)
     process_start: float | None = None  # time.monotonic() at process start: the start-up log's import phase
-    require_prepared: bool = False  # on a GPU, refuse to start without a kernel cache of its signature
-    chat_template: Path | None = None  # a Jinja file used instead of the artifact's chat template
     generation_config: str = "auto"  # default sampling: auto | vllm | none | a folder (generation_config.py)
     reasoning_parser: str | None = None  # "deepseek_r1": chat splits reasoning_content out (reasoning.py)
     tool_call_parser: str | None = None  # "deepseek_v3": chat parses tool calls out of answers (tools.py)
@@ -68,10 +55,6 @@ class ServerConfig:
             raise MlacError(f"--log-stats-interval {self.log_stats_interval}: must be > 0")
         if not self.request_body_timeout > 0:
             raise MlacError(f"request_body_timeout={self.request_body_timeout!r}: must be > 0")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise MlacError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise MlacError(f"--max-model-len {self.max_model_len}: must be at least 1")
         check_reasoning_parser(self.reasoning_parser)
         check_tool_call_parser(self.tool_call_parser, self.enable_auto_tool_choice)
 
@@ -82,10 +65,11 @@ class ServerConfig:
     def summary(self) -> str:
         """The start-up line that says what this server was told, e.g. `serving 'tiny' (out/) on
         http://127.0.0.1:8000: cpu, float32, up to 64 running + 256 queued requests, ...`."""
-        sched, stats = self.scheduler, f"every {self.log_stats_interval:g} s" if self.log_stats else "off"
+        sched, rt = self.engine.scheduler, self.engine.runtime
+        stats = f"every {self.log_stats_interval:g} s" if self.log_stats else "off"
         return (
-            f"serving '{self.model_name}' ({self.artifact}) on http://{self.host}:{self.port}: {self.device}, "
-            f"{self.dtype}, up to {sched.max_running_requests} running + {self.max_queue} queued requests, "
+            f"serving '{self.model_name}' ({self.artifact}) on http://{self.host}:{self.port}: {rt.device}, "
+            f"{rt.dtype_name}, up to {sched.max_running_requests} running + {self.max_queue} queued requests, "
             f"chunked prefill {sched.chunked_prefill_size} tokens, prefix cache {'on' if sched.prefix_cache else 'off'}, "
             f"API key {'required' if self.api_key else 'none'}; stats line {stats}, "
             f"request logs {'on' if self.log_requests else 'off'}"
@@ -94,7 +78,7 @@ class ServerConfig:
     @property
     def max_unfinished(self) -> int:
         """Most engine requests queued or running at once; a request with more prompts never fits."""
-        return self.scheduler.max_running_requests + self.max_queue
+        return self.engine.scheduler.max_running_requests + self.max_queue
 
 
 def api_key_from_env(given: str | None) -> str | None:

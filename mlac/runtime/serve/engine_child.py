@@ -35,8 +35,9 @@ from mlac.runtime.dist.node_ranks import NodeRanks
 from mlac.runtime.dist.world import LaunchSpec
 from mlac.runtime.engine.sequence import Delta
 from mlac.runtime.serve.config import ServerConfig
+from mlac.runtime.serve.engine_errors import encode_error
 from mlac.runtime.serve.engine_start import GIL_SWITCH_INTERVAL_S, load_engine, log_to_stderr
-from mlac.runtime.serve.loop import EngineLoop, encode_error
+from mlac.runtime.serve.loop import EngineLoop
 from mlac.runtime.serve.metrics import MetricsRecorder
 
 log = logging.getLogger("mlac.server")
@@ -100,7 +101,7 @@ def run(
     channel, metrics = Channel(conn), MetricsRecorder()
     stats_interval = config.log_stats_interval if config.log_stats else None
     if ranks is not None:
-        config = replace(config, launch=replace(config.launch or LaunchSpec(), ranks=ranks))
+        config = config.updated(launch=replace(config.engine.launch or LaunchSpec(), ranks=ranks))
     load = _closing(load or (lambda: load_engine(config)), ranks)
     loop = EngineLoop(load, metrics, config.max_unfinished, config.log_requests, stats_interval,
                       PipeOutlet(channel, metrics))  # fmt: skip

@@ -6,7 +6,7 @@ The server's process holds the artifact's tokenizer and manifest, no weights and
 FrontEngine tokenizes and validates requests as Engine.new_sequence does (so a bad request is a
 400 before it is accepted), and a Request crosses as plain data. One reader thread takes the
 engine's messages, one per step: it replays their metric ops into the server's Metrics and hands
-each event loop its deltas in one `call_soon_threadsafe` (loop.hand_over).
+each event loop its deltas in one `call_soon_threadsafe` (outlet.hand_over).
 """
 
 from __future__ import annotations
@@ -27,17 +27,10 @@ from mlac.runtime.engine.constrain import Grammars
 from mlac.runtime.engine.sampling import SamplingParams
 from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.serve.config import ServerConfig
+from mlac.runtime.serve.engine_errors import EngineDead, ShuttingDown, check_room, decode_error
 from mlac.runtime.serve.engine_process import EngineProcess
-from mlac.runtime.serve.loop import (
-    EngineDead,
-    Outbox,
-    ShuttingDown,
-    Sink,
-    check_room,
-    decode_error,
-    hand_over,
-)
 from mlac.runtime.serve.metrics import Metrics, replay
+from mlac.runtime.serve.outlet import Outbox, Sink, hand_over
 
 log = logging.getLogger("mlac.server")
 
@@ -111,8 +104,8 @@ def load_tokenizer(config: ServerConfig) -> Tokenizer | None:
     if not (tok_dir / "tokenizer.json").is_file():
         return None
     tokenizer = Tokenizer(tok_dir)
-    if config.chat_template is not None:
-        tokenizer.use_chat_template(config.chat_template)
+    if config.engine.chat_template is not None:
+        tokenizer.use_chat_template(config.engine.chat_template)
     return tokenizer
 
 
@@ -283,5 +276,5 @@ def start_engine(
     config: ServerConfig, metrics: Metrics, log_level: str, process: Any = None, load: Any = None
 ) -> EngineClient:
     """An EngineClient over `process` (an EngineProcess started early), or over one started now."""
-    process = process or EngineProcess.start(config.artifact, config.launch)
+    process = process or EngineProcess.start(config.artifact, config.engine.launch)
     return EngineClient(process, config, metrics, log_level, load)

@@ -1,5 +1,5 @@
 """Starting the engine of a server, in either process (launch.py's, or the engine's own:
-engine_child.py): Engine.from_artifact as the ServerConfig says, the warm-up, the start-up record
+engine_child.py): Engine.from_artifact with the ServerConfig's engine options, the warm-up, the start-up record
 (engine.startup, /health's phases) and its one log line.
 
 It imports no HTTP stack (FastAPI, uvicorn): the engine's process imports this module while the
@@ -19,22 +19,12 @@ GIL_SWITCH_INTERVAL_S = 0.0002  # see launch.serve()
 
 
 def load_engine(config: ServerConfig):
-    """Engine.from_artifact as the config says (runs on the engine thread), then the warm-up;
+    """Engine.from_artifact with `config.engine` (runs on the engine thread), then the warm-up;
     fills engine.startup (the phases, see startup_line, also in /health) and logs startup_line."""
-    import torch
-
     from mlac.runtime.engine.engine import Engine
 
     start = time.monotonic()
-    engine = Engine.from_artifact(
-        config.artifact, device=config.device, dtype=getattr(torch, config.dtype), verify=config.verify,
-        num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes, launch=config.launch,
-        scheduler_config=config.scheduler, cuda_graph=config.cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
-        gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len,
-        kernel_cache="require" if config.require_prepared else "use", dp_attention=config.dp_attention,
-    )  # fmt: skip
-    if config.chat_template is not None and engine.tokenizer is not None:
-        engine.tokenizer.use_chat_template(config.chat_template)
+    engine = Engine.from_artifact(config.artifact, config.engine)
     warm = time.monotonic()
     if config.warmup:  # Triton's JIT compiles now, while /health still says 503, not in the first requests
         try:
@@ -44,7 +34,9 @@ def load_engine(config: ServerConfig):
             raise
     origin = start if config.process_start is None else config.process_start
     record_startup(engine, start - origin, time.monotonic() - warm, time.monotonic() - origin)
-    log.info(startup_line(engine.startup, verified=config.verify, kv_dtype=engine.cache.kv_dtype))
+    log.info(
+        startup_line(engine.startup, verified=config.engine.runtime.verify, kv_dtype=engine.cache.kv_dtype)
+    )
     return engine
 
 
@@ -72,10 +64,12 @@ def startup_line(s: dict, verified: bool, kv_dtype: str) -> str:
     graphs = (
         f"graphs {s['graphs_s']:.1f} s ({s['graph_buckets']} buckets)" if s["graph_buckets"] else "graphs off"
     )
-    if s["graph_buckets"] and "load_graphs_s" in s:  # the two overlapped (runner.build_runner): their wall
+    if s["graph_buckets"] and "load_graphs_s" in s:  # the two overlapped (build.build_runner): their wall
         graphs += f", load+graphs {s['load_graphs_s']:.1f} s"
     upto = f"up to batch {s['graph_max_bs']}" if s["graph_buckets"] else "off"
-    ranks = f", ranks met {s['ranks_met_s']:.1f} s" if "ranks_met_s" in s else ""  # multi-rank (dist.py)
+    ranks = (
+        f", ranks met {s['ranks_met_s']:.1f} s" if "ranks_met_s" in s else ""
+    )  # multi-rank (distributed.py)
     return (
         f"ready in {s['ready_s']:.1f} s: import {s['import_s']:.1f} s{ranks}, {load}, {graphs}, "
         f"warm-up {s['warmup_s']:.1f} s; KV cache {s['kv_tokens']:,} tokens ({kv_dtype}), "

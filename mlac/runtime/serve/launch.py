@@ -6,9 +6,10 @@ and waits for open connections. Running requests get `drain_timeout` seconds to 
 `data: [DONE]`), and uvicorn waits DRAIN_GRACE more seconds for those answers to go out before
 it cuts what is left.
 
-An engine that fails (to load, or after it loaded: loop.EngineDead) stops the server at once: the
-listening socket closes and uvicorn sends the answers in flight (each request already has its
-error); `serve` then raises the failure (`mlac serve` exits 1), for an orchestrator to restart it.
+An engine that fails (to load, or after it loaded: engine_errors.EngineDead) stops the server at
+once: the listening socket closes and uvicorn sends the answers in flight (each request already
+has its error); `serve` then raises the failure (`mlac serve` exits 1), for an orchestrator to
+restart it.
 """
 
 from __future__ import annotations

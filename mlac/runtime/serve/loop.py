@@ -1,106 +1,32 @@
-"""The engine's one thread (EngineLoop) and its bridge to asyncio handlers (Submission).
+"""The engine's one thread (EngineLoop): it loads the model, then runs scheduler steps.
 
 Other threads never touch the scheduler: they put ("add", seq, sink), ("cancel", seq_id),
 ("fail", message) or ("stop",) into a queue.Queue, and the engine thread applies them between
-steps. Each Delta (or an exception) goes to the request's sink through the loop's Outlet: the
-engine thread collects what one step produced and sends it at once. In the server's process
-(AsyncioOutlet) that is ONE `call_soon_threadsafe` per event loop per step (a self-pipe write and a
-wake-up of that loop per step, not per token per request); in the engine's own process
-(engine_child.PipeOutlet) one message to the server process per step.
+steps. Each Delta (or an exception) goes to the request's sink through the loop's Outlet
+(outlet.py): the engine thread collects what one step produced and sends it at once. In the
+server's process (AsyncioOutlet) that is ONE `call_soon_threadsafe` per event loop per step; in
+the engine's own process (engine_child.PipeOutlet) one message to the server process per step.
+The handlers' side of the bridge is submission.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.sequence import Delta, Sequence
+from mlac.runtime.serve.engine_errors import EngineDead, ShuttingDown, check_room
 from mlac.runtime.serve.metrics import Metrics, MetricsRecorder
-from mlac.runtime.serve.protocol import ApiError
+from mlac.runtime.serve.outlet import AsyncioOutlet, Outlet
 from mlac.runtime.serve.stats import Gauges, StatsLog, log_arrival, log_finish
 from mlac.runtime.worker.jit_compiles import count_compiles
 
 log = logging.getLogger("mlac.server")
-
-
-@dataclass(frozen=True, slots=True)
-class Sink:
-    """Where one request's Deltas go: item `index` of `queue`, an asyncio.Queue of event loop `aio`."""
-
-    aio: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    index: int
-
-
-Outbox = dict[asyncio.AbstractEventLoop, list[tuple[Sink, Delta | BaseException]]]
-
-
-class Outlet(Protocol):
-    """Where EngineLoop hands its requests' output, all on the engine thread: `post` an item for a
-    sink, `end` a sink (its request is over: nothing more comes for it), `send` what was posted."""
-
-    def post(self, sink: Any, item: Delta | BaseException) -> None: ...
-
-    def end(self, sink: Any) -> None: ...
-
-    def send(self) -> None: ...
-
-
-class AsyncioOutlet:
-    """Deltas to asyncio handlers of this process: each sink is a Sink; one
-    `call_soon_threadsafe` per event loop per `send`, the items in the order posted."""
-
-    def __init__(self):
-        self._outbox: Outbox = {}
-
-    def post(self, sink: Sink, item: Delta | BaseException) -> None:
-        self._outbox.setdefault(sink.aio, []).append((sink, item))
-
-    def end(self, sink: Sink) -> None:
-        pass
-
-    def send(self) -> None:
-        outbox, self._outbox = self._outbox, {}
-        hand_over(outbox)
-
-
-def hand_over(outbox: Outbox) -> None:
-    """Hand each event loop its items in one call (any thread)."""
-    for aio, items in outbox.items():
-        try:
-            aio.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the handler's event loop is closed: nobody is listening
-            log.debug("dropped %d deltas for requests whose handler is gone", len(items))
-
-
-class QueueFull(MlacError):
-    """More requests would be queued or running than the server allows."""
-
-
-class ShuttingDown(MlacError):
-    """The server is draining and its drain timeout expired, or it has stopped."""
-
-
-class EngineDead(MlacError):
-    """The engine failed after it loaded (an exception escaped its loop, or its process died): the
-    requests it held end with this error (500), later ones are refused with it (503)."""
-
-
-def check_room(unfinished: int, n: int, limit: int, refusing: MlacError | None) -> None:
-    """Whether n more requests may be submitted (under the caller's lock): once new requests are
-    refused, `refusing` (ShuttingDown or EngineDead, raised anew), QueueFull when they would pass
-    `limit`."""
-    if refusing is not None:
-        raise type(refusing)(str(refusing))
-    if unfinished + n > limit:
-        raise QueueFull(f"server busy: {unfinished} requests queued or running; retry later")
 
 
 class EngineLoop:
@@ -426,88 +352,8 @@ def _log_failure(fn: Callable[[], None], what: str) -> None:
         log.exception("%s failed too", what)
 
 
-def encode_error(e: BaseException) -> tuple[str, str]:
-    """An engine failure as plain data, to cross to the server's process: (kind, message)."""
-    kind = "shutdown" if isinstance(e, ShuttingDown) else "dead" if isinstance(e, EngineDead) else "error"
-    return (kind, str(e))
-
-
-def decode_error(kind: str, message: str) -> MlacError:
-    """encode_error's inverse: the exception Submission answers as in one process (503 / 500)."""
-    return {"shutdown": ShuttingDown, "dead": EngineDead}.get(kind, MlacError)(message)
-
-
 def _outcome(seq: Sequence, error: BaseException | None) -> str:
     """How a request ended, as a finished_reason (metrics.FINISH_REASONS)."""
     if error is None:
         return seq.finish_reason or "abort"
     return "abort" if isinstance(error, ShuttingDown) else "error"
-
-
-def _put_all(items: list[tuple[Sink, Delta | BaseException]]) -> None:
-    """On the sinks' event loop: each item into its request's queue."""
-    for sink, item in items:
-        sink.queue.put_nowait((sink.index, item))
-
-
-class Submission:
-    """The engine requests of one HTTP call and their deltas, on the handler's event loop.
-    Construct it inside the handler: it submits at once (ApiError 503 if the loop refuses).
-    `loop` is an EngineLoop, or an engine_client.EngineClient (then `seqs` are its Requests)."""
-
-    def __init__(self, loop: EngineLoop, seqs: list):
-        self.loop, self.seqs = loop, seqs
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.done: set[int] = set()
-        aio = asyncio.get_running_loop()
-        sinks = [Sink(aio, self.queue, i) for i in range(len(seqs))]
-        try:
-            loop.submit(seqs, sinks)
-        except QueueFull as e:
-            raise ApiError(503, str(e), type="server_error", code="queue_full") from None
-        except ShuttingDown as e:
-            raise ApiError(503, str(e), type="server_error", code="draining") from None
-        except EngineDead as e:
-            raise ApiError(503, str(e), type="server_error", code="engine_dead") from None
-
-    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """(choice index, Delta) until every request finished; an engine failure raises ApiError
-        (503 when the server is shutting down, 500 when a step failed or the engine died)."""
-        async for batch in self.batches():
-            for index, delta in batch:
-                yield index, delta
-
-    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
-        """As `deltas`, but every (index, Delta) that has arrived at once, in order, as one list
-        (never empty): a consumer that falls behind the engine takes several steps' deltas in one
-        go (one write to the client instead of one per step). An engine failure is raised after
-        the deltas that came before it."""
-        while len(self.done) < len(self.seqs):
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            batch = []
-            for index, item in items:
-                if isinstance(item, BaseException):
-                    self.done.add(index)
-                    if batch:
-                        yield batch
-                    raise _api_error(item)
-                if item.finish_reason is not None:
-                    self.done.add(index)
-                batch.append((index, item))
-            yield batch
-
-    def cancel_unfinished(self) -> None:
-        for i, seq in enumerate(self.seqs):
-            if i not in self.done:
-                self.loop.cancel(seq.seq_id)
-
-
-def _api_error(e: BaseException) -> ApiError:
-    """An engine failure as the handler answers it: 503 shutting down, 500 a failed step or a dead
-    engine (the request was accepted: not to be retried blindly)."""
-    if isinstance(e, ShuttingDown):
-        return ApiError(503, str(e), type="server_error", code="draining")
-    code = "engine_dead" if isinstance(e, EngineDead) else "engine_error"
-    return ApiError(500, str(e), type="server_error", code=code)

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 
 from mlac.runtime.engine.sampling import TokenLogprob
 from mlac.runtime.engine.sequence import Delta
-from mlac.runtime.serve.loop import Submission
 from mlac.runtime.serve.protocol import ApiError
 from mlac.runtime.serve.reasoning import DeepSeekR1Parser, split
+from mlac.runtime.serve.submission import Submission
 from mlac.runtime.serve.tools import DeepSeekV3ToolParser, parse
 
 DONE = "data: [DONE]\n\n"

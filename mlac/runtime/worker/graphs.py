@@ -51,7 +51,7 @@ import torch
 
 from mlac.core.errors import MlacError
 from mlac.kernels._triton import CaptureNeedsWarmup, triton
-from mlac.kernels.attention.mla_decode import decode_group_rows, prefer_row_groups, row_groups_host
+from mlac.kernels.attention.mla_decode_plan import decode_group_rows, prefer_row_groups, row_groups_host
 from mlac.runtime.kvcache.batch import ForwardBatch
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.model.attention import ROW_GROUPS
@@ -113,7 +113,7 @@ def capture_buckets(
     "capture_s" (start-up's phases), and counts the eager runs in label + "eager_runs".
 
     Other threads may run CUDA work meanwhile, on their own streams (the weights' load, see
-    runner.build_runner): the capture is thread-local ("thread_local" mode: their calls are not
+    build.build_runner): the capture is thread-local ("thread_local" mode: their calls are not
     the capture's), its allocations alone go to the graphs' pool, and it waits for this thread's
     stream only, never the device (torch.cuda.graph would synchronize the device at each bucket:
     wait for the load's queued copies). NOTE: nor does it empty the allocator's cache: the eager

@@ -27,8 +27,10 @@ from mlac.core.errors import MlacError
 from mlac.runtime.dist.ranks import LaunchSpec, World, check_devices, plan_world
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.worker import runner as runner_mod
+from mlac.runtime.worker.build import RankJob
+from mlac.runtime.worker.distributed import DistributedRunner, run_rank
 from mlac.runtime.worker.loader import load_artifact
-from mlac.runtime.worker.runner import DistributedRunner, RankJob, RuntimeOptions, run_rank
+from mlac.runtime.worker.options import RuntimeOptions
 from mlac.synth import PRESETS, synthesize
 
 PLANS = [(2, 1), (2, 2), (4, 1)]  # (tp, ep)
@@ -298,7 +300,7 @@ def _rank_failing_at_its_second_step(job: RankJob, world: World) -> None:
 def distributed(path: Path, target=None) -> Engine:
     """An engine whose spawned ranks run `target` (default: the real rank)."""
     manifest = Manifest.load(path)
-    job = RankJob(str(path), "cpu", torch.float32, True, RuntimeOptions(**CACHE))
+    job = RankJob(str(path), RuntimeOptions(device="cpu", dtype=torch.float32, **CACHE))
     runner = run_rank(job, plan_world(manifest.plan), target)
     return Engine(manifest.model, runner, manifest=manifest)
 

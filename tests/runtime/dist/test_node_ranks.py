@@ -186,7 +186,7 @@ def test_the_engine_process_spawns_rank_1_before_it_is_configured(tp2):
 
 
 def test_a_load_that_fails_before_it_needs_the_early_ranks_stops_them(tp2):
-    config = ServerConfig(artifact=tp2, dtype="float32", verify=False, engine_process=True, drain_timeout=5.0,
+    config = ServerConfig.of(artifact=tp2, dtype="float32", verify=False, engine_process=True, drain_timeout=5.0,
                           max_model_len=100_000_000)  # fmt: skip
     with pytest.raises(MlacError, match="loading failed: --max-model-len 100000000"):
         ServerThread(config).start(timeout=120)
@@ -259,7 +259,18 @@ def test_generate_starts_the_ranks_early_and_gives_the_one_rank_tokens(tp2, tp1,
     """`mlac generate` (like bench and eval) spawns rank 1 before it imports torch and hands it its
     work: greedy text equal to the 1-rank artifact's."""
     seen = _spy_early_spawns(monkeypatch)
-    args = ["--prompt", "hello", "--max-tokens", "6", "--temperature", "0", "--dtype", "float32", "--device", "cpu"]
+    args = [
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    ]
     two = invoke("generate", tp2, *args)
     assert two.exit_code == 0, two.output
     assert len(seen) == 1 and seen[0] is not None and seen[0].procs == {}  # spawned, then handed over

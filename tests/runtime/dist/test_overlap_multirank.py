@@ -24,8 +24,8 @@ from mlac.runtime.engine.overlap import can_overlap
 from mlac.runtime.engine.sampling import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.step import Step
-from mlac.runtime.worker import runner as runner_mod
-from mlac.runtime.worker.runner import DistributedRunner
+from mlac.runtime.worker import distributed as distributed_mod
+from mlac.runtime.worker.distributed import DistributedRunner
 
 CACHE = {"num_blocks": 160, "block_size": 16}
 
@@ -54,13 +54,13 @@ def engine(request, tp2):
 def fed(monkeypatch) -> list[int]:
     """The batch size of every step rank 0 sent as a fed step (ids from its device)."""
     sizes: list[int] = []
-    send = runner_mod.send_fed
+    send = distributed_mod.send_fed
 
     def spy(link, ids, step):
         sizes.append(len(step.token_ids))
         return send(link, ids, step)
 
-    monkeypatch.setattr(runner_mod, "send_fed", spy)
+    monkeypatch.setattr(distributed_mod, "send_fed", spy)
     return sizes
 
 

@@ -10,7 +10,7 @@ from test_overlap import assert_graph_tokens_with_overlap
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.worker import runner as runner_mod
+from mlac.runtime.worker import distributed as distributed_mod
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,8 +24,8 @@ def test_cuda_graphs_give_the_same_greedy_tokens_with_overlap(checkpoint, tmp_pa
     through fed steps."""
     out = tmp_path / "tiny-v2-lite-tp2"
     compile_checkpoint(checkpoint("tiny-v2-lite"), out, CompileOptions(tp=2, accuracy_check=False))
-    fed, send = [], runner_mod.send_fed
-    monkeypatch.setattr(runner_mod, "send_fed", lambda *a: fed.append(1) or send(*a))
+    fed, send = [], distributed_mod.send_fed
+    monkeypatch.setattr(distributed_mod, "send_fed", lambda *a: fed.append(1) or send(*a))
     with Engine.from_artifact(out, device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=512,
                               cuda_graph_max_bs=32) as engine:  # fmt: skip
         assert_graph_tokens_with_overlap(engine)

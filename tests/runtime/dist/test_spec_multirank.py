@@ -24,7 +24,7 @@ def test_tp2_speculative_greedy_equals_plain(checkpoint, tmp_path, ep):
     with Engine.from_artifact(path, dtype=torch.float32, num_blocks=32) as plain:
         want = [c.token_ids for c in plain.generate(PROMPTS, params)]
     config = SchedulerConfig(speculative_num_steps=3)
-    with Engine.from_artifact(path, dtype=torch.float32, num_blocks=32, scheduler_config=config) as spec:
+    with Engine.from_artifact(path, dtype=torch.float32, num_blocks=32, scheduler=config) as spec:
         sched = spec.scheduler()
         seqs = [spec.new_sequence(p, params) for p in PROMPTS]
         for s in seqs:
@@ -48,7 +48,7 @@ def test_rank_0_failing_in_a_draft_step_stops_the_others(checkpoint, tmp_path, m
     path = tmp_path / "tp2"
     compile_checkpoint(checkpoint("tiny-v3"), path, CompileOptions(tp=2, accuracy_check=False))
     config = SchedulerConfig(speculative_num_steps=2)
-    with Engine.from_artifact(path, dtype=torch.float32, num_blocks=32, scheduler_config=config) as spec:
+    with Engine.from_artifact(path, dtype=torch.float32, num_blocks=32, scheduler=config) as spec:
         rank1 = spec.runner.group.procs[1]
 
         def broken(*args):

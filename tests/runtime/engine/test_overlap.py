@@ -176,9 +176,7 @@ def test_off_by_default_on_cpu_under_speculation_and_dp_attention(engine, artifa
     assert engine.scheduler(SchedulerConfig()).overlap is None  # CPU: nothing to overlap
     assert engine.scheduler(SchedulerConfig(overlap=True)).overlap is not None
     config = SchedulerConfig(speculative_num_steps=2, overlap=True)
-    spec = Engine.from_artifact(
-        artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler_config=config
-    )
+    spec = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler=config)
     assert spec.scheduler().spec is not None and spec.scheduler().overlap is None
     assert overlap_mod.can_overlap(engine.runner)  # multi-rank: test_overlap_multirank.py
 
@@ -247,9 +245,9 @@ def test_the_flag_is_wired(command, monkeypatch):
     class Stop(Exception):
         pass
 
-    def fake(*args, **kwargs):
-        config = kwargs.get("scheduler_config") or getattr(args[0], "scheduler", None)
-        seen["overlap"] = config.overlap
+    def fake(*args, **kwargs):  # Engine.from_artifact(path, options) or serve(config, ...)
+        options = args[1] if len(args) > 1 else args[0].engine
+        seen["overlap"] = options.scheduler.overlap
         raise Stop
 
     monkeypatch.setattr("mlac.runtime.engine.engine.Engine.from_artifact", fake)
@@ -304,7 +302,7 @@ def test_a_server_with_overlap_answers_as_the_engine_does(artifact, engine, stea
         engine.generate(b["prompt"], max_tokens=b["max_tokens"], ignore_eos=True, stop=b.get("stop"))
         for b in bodies
     ]
-    cfg = ServerConfig(artifact=artifact("tiny-v3"), dtype="float32", verify=False, served_model_name="tiny",
+    cfg = ServerConfig.of(artifact=artifact("tiny-v3"), dtype="float32", verify=False, served_model_name="tiny",
                        num_blocks=160, scheduler=SchedulerConfig(overlap=True), warmup=False)  # fmt: skip
     with ServerThread(cfg) as srv:
 

@@ -29,7 +29,7 @@ def spec_engine(path, k: int, **kwargs) -> Engine:
     config = SchedulerConfig(speculative_num_steps=k, **kwargs.pop("sched", {}))
     kwargs.setdefault("dtype", torch.float32)
     kwargs.setdefault("verify", False)
-    return Engine.from_artifact(path, scheduler_config=config, **kwargs)
+    return Engine.from_artifact(path, scheduler=config, **kwargs)
 
 
 def run(engine: Engine, ps: list[list[int]], params=GREEDY, check=True) -> tuple[list[list[int]], object]:

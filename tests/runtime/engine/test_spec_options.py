@@ -71,7 +71,7 @@ def test_server_speculates_and_counts_it(artifact):
 
     path = artifact("tiny-v3")
     want = Engine.from_artifact(path, dtype=torch.float32, verify=False).generate([5, 6, 7], max_tokens=8)
-    config = ServerConfig(artifact=path, dtype="float32", verify=False, served_model_name="m",
+    config = ServerConfig.of(artifact=path, dtype="float32", verify=False, served_model_name="m",
                           scheduler=SchedulerConfig(speculative_num_steps=2))  # fmt: skip
     with ServerThread(config) as srv:
         body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}

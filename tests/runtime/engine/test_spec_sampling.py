@@ -91,7 +91,7 @@ def test_end_to_end_first_two_tokens_follow_the_target(artifact):
     path = artifact("tiny-v3")
     plain = Engine.from_artifact(path, dtype=torch.float32, verify=False)
     config = SchedulerConfig(speculative_num_steps=1, max_running_requests=256)
-    eng = Engine.from_artifact(path, dtype=torch.float32, verify=False, scheduler_config=config)
+    eng = Engine.from_artifact(path, dtype=torch.float32, verify=False, scheduler=config)
     prompt, n = [11, 12, 13, 14, 15], 600
     params = [
         SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s, ignore_eos=True) for s in range(n)

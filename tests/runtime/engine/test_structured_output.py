@@ -222,7 +222,7 @@ def test_preemption_keeps_the_matcher_right(art, engine):
 
 @pytest.fixture(scope="module")
 def server(art):
-    cfg = ServerConfig(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL)
+    cfg = ServerConfig.of(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL)
     with ServerThread(cfg) as srv:
         yield srv
 

@@ -249,7 +249,7 @@ def served(art, prefix_cache: bool) -> tuple[list[dict], dict[str, float]]:
     from mlac.runtime.serve import ServerConfig, ServerThread
 
     limits = SchedulerConfig(prefix_cache=prefix_cache)
-    cfg = ServerConfig(
+    cfg = ServerConfig.of(
         artifact=art, dtype="float32", verify=False, served_model_name="tiny", scheduler=limits
     )
     body = {"model": "tiny", "prompt": list(range(5, 45)), "max_tokens": 3, "ignore_eos": True}

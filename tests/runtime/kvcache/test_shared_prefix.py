@@ -98,7 +98,7 @@ def test_same_tokens_through_the_engine(artifact, monkeypatch, preset):
     """A system prompt cached, then four requests after it in one step: greedy tokens and top
     logprobs with the cascade (forced, whatever the rule says) are those of the plain extend."""
     config = SchedulerConfig(max_running_requests=8, chunked_prefill_size=64)
-    kw = dict(dtype=torch.float32, verify=False, block_size=BS, scheduler_config=config)
+    kw = dict(dtype=torch.float32, verify=False, block_size=BS, scheduler=config)
     engine = Engine.from_artifact(artifact(preset), **kw)
     system = list(range(40, 62))  # 5 whole blocks and half of one
     prompts = [system + [7 + i] * (3 + i) for i in range(4)]

@@ -22,8 +22,8 @@ from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.kvcache.pool import BlockPool
 from mlac.runtime.model.dp_attention import rows_per_rank
 from mlac.runtime.step import Step
+from mlac.runtime.worker.distributed import DistributedRunner
 from mlac.runtime.worker.loader import load_artifact
-from mlac.runtime.worker.runner import DistributedRunner
 from tests._cli import invoke, one_line_error
 
 CACHE = {"num_blocks": 32, "block_size": 16}
@@ -194,12 +194,13 @@ def graph_rank(rank: int, path: str, port: int, out) -> None:
     against DPDecodeGraphs' padded static-buffer step (not captured on CPU), on the same Steps."""
     import torch.distributed as dist
 
+    from mlac.runtime.worker.build import RankJob, build_runner
     from mlac.runtime.worker.dp_graphs import DPDecodeGraphs
-    from mlac.runtime.worker.runner import RankJob, RuntimeOptions, build_runner
+    from mlac.runtime.worker.options import RuntimeOptions
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        job = RankJob(path, "cpu", torch.float32, False, RuntimeOptions(**CACHE))
+        job = RankJob(path, RuntimeOptions(device="cpu", dtype=torch.float32, verify=False, **CACHE))
         runner = build_runner(job, rank, dist.group.WORLD)
         graphs = DPDecodeGraphs(runner.model, runner.cache, [1, 2, 4, 8], 512, runner.dp)
         prompts, ranks = LENGTHS[:3], [0, 1, 0]  # 9, 25, 3 tokens; rank 0 holds two
@@ -277,7 +278,7 @@ def test_a_launch_that_disagrees_with_the_plan_is_refused(compiled):
     with pytest.raises(MlacError, match="compiled without --dp-attention"):
         start(compiled("tiny-v3", tp=2), dp_attention=True)
     with pytest.raises(MlacError, match="not with a --dp-attention artifact"):  # MTP: not under DP attention
-        start(compiled("tiny-v3", tp=2, dp=True), scheduler_config=SchedulerConfig(speculative_num_steps=1))
+        start(compiled("tiny-v3", tp=2, dp=True), scheduler=SchedulerConfig(speculative_num_steps=1))
 
 
 def test_dp_attention_needs_several_ranks(checkpoint, tmp_path):

@@ -33,7 +33,7 @@ def ref(art) -> Engine:
 
 @pytest.fixture(scope="module")
 def server(art):
-    cfg = ServerConfig(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL)
+    cfg = ServerConfig.of(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL)
     with ServerThread(cfg) as srv:
         yield srv
 
@@ -154,7 +154,7 @@ def test_tools_and_template_kwargs_reach_the_template(server, art, tmp_path):
         "{{ bos_token }}{{ tools | tojson }}|{{ flag }}|{{ messages[1]['content'] is none }}<|Assistant|>"
     )
     (tmp_path / "t.jinja").write_text(template)
-    cfg = ServerConfig(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL,
+    cfg = ServerConfig.of(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL,
                        chat_template=tmp_path / "t.jinja")  # fmt: skip
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}

@@ -20,7 +20,8 @@ from _paths import REPO
 
 from mlac.core.errors import MlacError
 from mlac.runtime.serve import ServerConfig, ServerThread, load_engine
-from mlac.runtime.serve.loop import EngineDead, EngineLoop, decode_error, encode_error
+from mlac.runtime.serve.engine_errors import EngineDead, decode_error, encode_error
+from mlac.runtime.serve.loop import EngineLoop
 from mlac.runtime.serve.metrics import MetricsRecorder
 
 MODEL = "tiny"
@@ -36,7 +37,7 @@ def art(artifact) -> Path:
 def config(art: Path, engine_process: bool, **kw) -> ServerConfig:
     base = dict(artifact=art, dtype="float32", verify=False, served_model_name=MODEL,
                 engine_process=engine_process, drain_timeout=5.0)  # fmt: skip
-    return ServerConfig(**{**base, **kw})
+    return ServerConfig.of(**{**base, **kw})
 
 
 class CrashingScheduler:

@@ -25,7 +25,7 @@ from mlac.runtime.engine.spec.decode import SpecStats
 from mlac.runtime.serve import ServerConfig, ServerThread, load_engine
 from mlac.runtime.serve.engine_child import PipeOutlet
 from mlac.runtime.serve.engine_client import EngineClient, FrontEngine, Request
-from mlac.runtime.serve.loop import ShuttingDown, decode_error, encode_error
+from mlac.runtime.serve.engine_errors import ShuttingDown, decode_error, encode_error
 from mlac.runtime.serve.metrics import ENGINE_METRICS, Metrics, MetricsRecorder, replay
 
 MODEL = "tiny"
@@ -39,7 +39,7 @@ def art(artifact) -> Path:
 def config(art: Path, **kw) -> ServerConfig:
     base = dict(artifact=art, dtype="float32", verify=False, served_model_name=MODEL, engine_process=True,
                 drain_timeout=5.0)  # fmt: skip
-    return ServerConfig(**{**base, **kw})
+    return ServerConfig.of(**{**base, **kw})
 
 
 def samples(url: str) -> dict[str, float]:
@@ -284,7 +284,9 @@ def test_a_load_failure_stops_the_server_with_its_error(art):
 def test_an_engine_process_that_dies_fails_its_requests(art):
     with ServerThread(config(art)) as srv:
         loop = srv.state.loop
-        loop.on_failure = None  # the server would stop (tests/runtime/serve/test_engine_crash.py): kept up here
+        loop.on_failure = (
+            None  # the server would stop (tests/runtime/serve/test_engine_crash.py): kept up here
+        )
         os.kill(loop.process.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while loop._refusing is None:

@@ -31,7 +31,7 @@ INTERVAL = 0.2  # seconds between stats lines in these tests (10 by default)
 
 @pytest.fixture(scope="module")
 def server(artifact):
-    cfg = ServerConfig(artifact=artifact("tiny-v3"), dtype="float32", verify=False, served_model_name=MODEL,
+    cfg = ServerConfig.of(artifact=artifact("tiny-v3"), dtype="float32", verify=False, served_model_name=MODEL,
                        log_requests=True, log_stats_interval=INTERVAL)  # fmt: skip
     with ServerThread(cfg) as srv:
         yield srv
@@ -207,7 +207,7 @@ def test_request_lines_at_arrival_and_end(server, caplog):
 def test_logs_are_off_as_told(artifact, server, caplog):
     wait_idle(server)
     time.sleep(3 * INTERVAL)  # the module's server (it logs both) has written its last line
-    cfg = ServerConfig(artifact=artifact("tiny-v3"), dtype="float32", verify=False, served_model_name=MODEL,
+    cfg = ServerConfig.of(artifact=artifact("tiny-v3"), dtype="float32", verify=False, served_model_name=MODEL,
                        log_stats=False, log_stats_interval=INTERVAL)  # fmt: skip
     assert not cfg.log_requests  # --enable-log-requests is off by default
     with caplog.at_level(logging.INFO, logger="mlac.server"), ServerThread(cfg) as srv:
@@ -234,7 +234,7 @@ def test_stats_log_rates_and_timing(caplog):
 
 def test_a_stats_interval_must_be_positive():
     with pytest.raises(MlacError, match="--log-stats-interval"):
-        ServerConfig(artifact=Path("x"), log_stats_interval=0)
+        ServerConfig.of(artifact=Path("x"), log_stats_interval=0)
 
 
 def test_log_level_gives_mlac_loggers_a_handler(capsys):
@@ -256,7 +256,7 @@ def test_log_level_gives_mlac_loggers_a_handler(capsys):
 
 
 def test_every_serve_flag_is_documented():
-    from mlac.cli import serve
+    from mlac.cli.serve import serve
 
     text = DOC.read_text()
     flags = [o for p in serve.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)]

@@ -74,7 +74,7 @@ def test_prompt_opens_think():
 
 def test_unknown_parser_is_a_one_line_error(tmp_path):
     with pytest.raises(MlacError, match="--reasoning-parser qwen3: must be one of deepseek_r1"):
-        ServerConfig(artifact=tmp_path, reasoning_parser="qwen3")
+        ServerConfig.of(artifact=tmp_path, reasoning_parser="qwen3")
 
 
 # --- through the server --------------------------------------------------------------------------
@@ -83,7 +83,7 @@ PIECES = ["<th", "ink>\nLet me", " think</th", "ink>\n\nPar", "is."]
 
 
 class ScriptedSubmission:
-    """Stands in for loop.Submission: submits nothing, answers every choice with PIECES."""
+    """Stands in for submission.Submission: submits nothing, answers every choice with PIECES."""
 
     def __init__(self, loop, seqs):
         self.seqs = seqs
@@ -115,7 +115,7 @@ def serve(art: Path, tmp_path: Path, template: str | None = None, parser: str | 
     if template is not None:
         chat_template = tmp_path / "t.jinja"
         chat_template.write_text(template)
-    cfg = ServerConfig(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL,
+    cfg = ServerConfig.of(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL,
                        reasoning_parser=parser, chat_template=chat_template)  # fmt: skip
     return ServerThread(cfg)
 

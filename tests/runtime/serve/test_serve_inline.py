@@ -30,7 +30,7 @@ def test_small_requests_are_built_on_the_event_loop_large_text_and_grammars_in_a
         return real(*args, **kwargs)
 
     monkeypatch.setattr(app, "new_sequences", spy)
-    config = ServerConfig(artifact=art, dtype="float32", verify=False, served_model_name=MODEL)
+    config = ServerConfig.of(artifact=art, dtype="float32", verify=False, served_model_name=MODEL)
     bodies = [
         {"prompt": list(range(5, 2000))},  # 2,000 token ids: nothing to tokenize
         {"prompt": "hello there"},

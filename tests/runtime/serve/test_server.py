@@ -55,7 +55,7 @@ def config(art: Path, **kw) -> ServerConfig:
         max_body_bytes=1 << 16,
         drain_timeout=5.0,
     )
-    return ServerConfig(**{**base, **kw})
+    return ServerConfig.of(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def config(art: Path, **kw) -> ServerConfig:
         scheduler=SchedulerConfig(max_running_requests=4),
         max_queue=4,
     )
-    return ServerConfig(**{**base, **kw})
+    return ServerConfig.of(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,12 @@ import pytest
 
 from mlac.runtime.engine.sampling import TokenLogprob
 from mlac.runtime.engine.sequence import Delta
-from mlac.runtime.serve.loop import EngineLoop, Sink, Submission
+from mlac.runtime.serve.loop import EngineLoop
 from mlac.runtime.serve.metrics import Metrics
+from mlac.runtime.serve.outlet import Sink
 from mlac.runtime.serve.protocol import ApiError
 from mlac.runtime.serve.render import ChatRender, CompletionRender, event
+from mlac.runtime.serve.submission import Submission
 
 
 def delta(seq_id: int, text: str, finish: str | None = None, lps: list | None = None) -> Delta:

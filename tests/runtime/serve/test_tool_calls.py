@@ -235,16 +235,16 @@ def test_named_and_single_call_grammars(matcher):
 
 def test_server_config_checks_the_flags(tmp_path):
     with pytest.raises(MlacError, match="--tool-call-parser hermes: must be one of deepseek_v3"):
-        ServerConfig(artifact=tmp_path, tool_call_parser="hermes")
+        ServerConfig.of(artifact=tmp_path, tool_call_parser="hermes")
     with pytest.raises(MlacError, match="--enable-auto-tool-choice needs --tool-call-parser"):
-        ServerConfig(artifact=tmp_path, enable_auto_tool_choice=True)
+        ServerConfig.of(artifact=tmp_path, enable_auto_tool_choice=True)
 
 
 # --- through the server ----------------------------------------------------------------------------
 
 
 class Script:
-    """Stands in for loop.Submission: submits nothing, answers each request with the next of
+    """Stands in for submission.Submission: submits nothing, answers each request with the next of
     `answers` (a list of text pieces) and records its sequences."""
 
     answers: list[list[str]] = []
@@ -284,7 +284,7 @@ def script(monkeypatch):
 
 
 def serve(art: Path, auto: bool = True, template: str = "deepseek_v3") -> ServerThread:
-    cfg = ServerConfig(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL,
+    cfg = ServerConfig.of(artifact=art, api_key=KEY, dtype="float32", verify=False, served_model_name=MODEL,
                        chat_template=TEMPLATES / f"{template}.jinja", tool_call_parser="deepseek_v3",
                        enable_auto_tool_choice=auto)  # fmt: skip
     return ServerThread(cfg)

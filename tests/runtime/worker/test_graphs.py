@@ -15,7 +15,7 @@ from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.step import Step
 from mlac.runtime.worker.graphs import DecodeGraphs, DecodeInputs, capture_buckets, pick_bucket
-from mlac.runtime.worker.runner import RuntimeOptions
+from mlac.runtime.worker.options import RuntimeOptions
 
 
 def test_pick_bucket():
@@ -150,7 +150,7 @@ def test_cuda_graphs_give_the_tokens_of_the_same_step_run_eagerly(artifact, pres
     path = artifact(preset, fp8=fp8)
     # No prefix cache: the second run of the same prompts would prefill only their last tokens.
     kw = dict(device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=256, cuda_graph_max_bs=16,
-              scheduler_config=SchedulerConfig(prefix_cache=False))  # fmt: skip
+              scheduler=SchedulerConfig(prefix_cache=False))  # fmt: skip
     engine = Engine.from_artifact(path, **kw)
     graphs = engine.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]

@@ -24,10 +24,12 @@ from mlac.core.errors import MlacError
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.serve import ServerConfig, ServerThread
 from mlac.runtime.serve.launch import startup_line
+from mlac.runtime.worker import build as build_mod
 from mlac.runtime.worker import kernel_cache
-from mlac.runtime.worker import runner as runner_mod
+from mlac.runtime.worker import start as start_mod
 from mlac.runtime.worker.memory_plan import RESERVE_BYTES
-from mlac.runtime.worker.runner import RuntimeOptions, make_runner, plan_kv
+from mlac.runtime.worker.options import RuntimeOptions
+from mlac.runtime.worker.start import make_runner, plan_kv
 
 GiB = 1 << 30
 ROOT = Path(mlac.__file__).resolve().parent.parent
@@ -51,7 +53,7 @@ def gpu(monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the plan must be decided before anything is loaded")
 
-    monkeypatch.setattr(runner_mod, "load_artifact", no_load)
+    monkeypatch.setattr(build_mod, "load_artifact", no_load)
     return fake
 
 
@@ -76,12 +78,12 @@ def per_block(manifest: Manifest) -> int:
 def test_cuda_kv_blocks_come_from_the_plan_on_the_measured_memory(art, gpu):
     m = Manifest.load(art)
     gpu(free=8 * GiB, total=8 * GiB)
-    kv = plan_kv(m, torch.device("cuda"), torch.bfloat16, RuntimeOptions())
+    kv = plan_kv(m, torch.device("cuda"), RuntimeOptions())
     assert kv.num_blocks == (int(8 * GiB * 0.9) - fixed_bytes(m)) // per_block(m)
-    half = plan_kv(m, torch.device("cuda"), torch.bfloat16, RuntimeOptions(gpu_memory_utilization=0.5))
+    half = plan_kv(m, torch.device("cuda"), RuntimeOptions(gpu_memory_utilization=0.5))
     assert half.num_blocks == (4 * GiB - fixed_bytes(m)) // per_block(m)
     # float32 captures no graphs: the graph pool is not held
-    eager = plan_kv(m, torch.device("cuda"), torch.float32, RuntimeOptions())
+    eager = plan_kv(m, torch.device("cuda"), RuntimeOptions(dtype=torch.float32))
     assert eager.num_blocks == (int(8 * GiB * 0.9) - fixed_bytes(m, cuda_graphs=False)) // per_block(m)
     assert eager.num_blocks > kv.num_blocks
 
@@ -89,31 +91,31 @@ def test_cuda_kv_blocks_come_from_the_plan_on_the_measured_memory(art, gpu):
 def test_free_memory_smaller_than_the_budget_sizes_on_it(art, gpu):
     m = Manifest.load(art)
     gpu(free=2 * GiB, total=80 * GiB)
-    kv = plan_kv(m, torch.device("cuda"), torch.bfloat16, RuntimeOptions())
+    kv = plan_kv(m, torch.device("cuda"), RuntimeOptions())
     assert kv.num_blocks == (2 * GiB - fixed_bytes(m)) // per_block(m)
 
 
 def test_explicit_sizes_and_cpu_keep_the_old_default(art, gpu):
     m = Manifest.load(art)
     gpu(free=8 * GiB, total=8 * GiB)
-    assert plan_kv(m, torch.device("cuda"), torch.bfloat16, RuntimeOptions(num_blocks=7)) is None
-    assert plan_kv(m, torch.device("cuda"), torch.bfloat16, RuntimeOptions(kv_cache_bytes=GiB)) is None
-    assert plan_kv(m, torch.device("cpu"), torch.bfloat16, RuntimeOptions()) is None
+    assert plan_kv(m, torch.device("cuda"), RuntimeOptions(num_blocks=7)) is None
+    assert plan_kv(m, torch.device("cuda"), RuntimeOptions(kv_cache_bytes=GiB)) is None
+    assert plan_kv(m, torch.device("cpu"), RuntimeOptions()) is None
 
 
 def test_an_artifact_without_a_memory_plan_gets_the_buckets_pass_plan(art, gpu):
     m = Manifest.load(art)
     old = m.model_copy(update={"buckets": None})  # compiled before the buckets pass
     gpu(free=8 * GiB, total=8 * GiB)
-    got = plan_kv(old, torch.device("cuda"), torch.bfloat16, RuntimeOptions())
-    assert got == plan_kv(m, torch.device("cuda"), torch.bfloat16, RuntimeOptions())
+    got = plan_kv(old, torch.device("cuda"), RuntimeOptions())
+    assert got == plan_kv(m, torch.device("cuda"), RuntimeOptions())
 
 
 def test_make_runner_passes_the_planned_blocks_to_the_rank(art, gpu, monkeypatch):
     m = Manifest.load(art)
     gpu(free=8 * GiB, total=8 * GiB)
-    monkeypatch.setattr(runner_mod, "build_runner", lambda job, rank: job.options)
-    options = make_runner(art, m, "cuda", torch.bfloat16, options=RuntimeOptions(max_model_len=100))
+    monkeypatch.setattr(start_mod, "build_runner", lambda job, rank: job.options)
+    options = make_runner(art, m, RuntimeOptions(device="cuda", max_model_len=100))
     assert options.num_blocks == (int(8 * GiB * 0.9) - fixed_bytes(m)) // per_block(m)
     assert options.max_model_len == 100
 
@@ -122,7 +124,7 @@ def test_a_cache_smaller_than_one_context_is_a_warning(art, gpu, caplog):
     m = Manifest.load(art)
     gpu(free=fixed_bytes(m) + 10 * per_block(m), total=80 * GiB)
     with caplog.at_level(logging.WARNING, logger="mlac.runtime"):
-        kv = plan_kv(m, torch.device("cuda"), torch.bfloat16, RuntimeOptions())
+        kv = plan_kv(m, torch.device("cuda"), RuntimeOptions())
     assert kv.num_blocks == 10 and kv.max_context == 160
     text = caplog.text
     assert "holds 160 tokens, less than one full context of 4,096" in text and "free of 80.00 GiB" in text
@@ -146,7 +148,7 @@ def test_max_model_len_caps_the_context(art):
 
 
 def test_max_model_len_beyond_the_model_is_refused_before_loading(art, monkeypatch):
-    monkeypatch.setattr(runner_mod, "load_artifact", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(build_mod, "load_artifact", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(MlacError, match=r"--max-model-len 5000: must be in 1\.\.4,096"):
         Engine.from_artifact(art, max_model_len=5000)
 
@@ -188,10 +190,10 @@ def test_serve_flags_reach_the_server_config(art, monkeypatch):
     assert CliRunner().invoke(main, args).exit_code == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert CliRunner().invoke(main, ["serve", str(art), "--gpu-memory-utilization", "0.8"]).exit_code == 0
-    (cpu, cuda) = seen
+    (cpu, cuda) = (config.engine.runtime for config in seen)
     assert (cpu.gpu_memory_utilization, cpu.max_model_len, cpu.device) == (0.5, 64, "cpu")
     assert (cuda.gpu_memory_utilization, cuda.max_model_len, cuda.device) == (0.8, None, "cuda")
-    assert isinstance(cpu.process_start, float)
+    assert isinstance(seen[0].process_start, float)
 
 
 def test_serve_on_a_busy_port_is_one_line_before_loading(art):
@@ -212,7 +214,7 @@ def test_serve_on_a_busy_port_is_one_line_before_loading(art):
 
 
 def test_startup_summary_line_and_health(art, caplog):
-    config = ServerConfig(artifact=art, dtype="float32", verify=False, max_model_len=1000)
+    config = ServerConfig.of(artifact=art, dtype="float32", verify=False, max_model_len=1000)
     with caplog.at_level(logging.INFO, logger="mlac.server"), ServerThread(config) as srv:
         startup = httpx.get(f"{srv.url}/health").json()["startup"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in ")]

@@ -25,10 +25,11 @@ from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.model.layers import Weights
 from mlac.runtime.model.model import DeepseekModel
 from mlac.runtime.serve.launch import startup_line
+from mlac.runtime.worker import build as build_mod
 from mlac.runtime.worker import readpass
-from mlac.runtime.worker import runner as runner_mod
+from mlac.runtime.worker.build import RankJob, build_runner
 from mlac.runtime.worker.loader import load_artifact, start_load
-from mlac.runtime.worker.runner import LOAD_OVERLAP_ENV, RankJob, RuntimeOptions, build_runner
+from mlac.runtime.worker.options import LOAD_OVERLAP_ENV, RuntimeOptions
 from tests._cli import invoke, one_line_error
 
 ROOT = Path(mlac.__file__).resolve().parent.parent
@@ -125,12 +126,12 @@ def test_a_modified_file_is_refused_after_the_overlapped_build(artifact, tmp_pat
     bad = tmp_path / "bad"
     tamper(artifact("tiny-v3"), bad)
     built = []
-    assemble = runner_mod._assemble
-    monkeypatch.setattr(runner_mod, "_assemble", lambda *a: built.append(1) or assemble(*a))
+    assemble = build_mod._assemble
+    monkeypatch.setattr(build_mod, "_assemble", lambda *a: built.append(1) or assemble(*a))
     with pytest.raises(MlacError) as plain:
         load_artifact(bad)
     with pytest.raises(MlacError) as overlapped:
-        build_runner(RankJob(str(bad), "cpu", torch.bfloat16, True, RuntimeOptions(load_overlap=True)), 0)
+        build_runner(RankJob(str(bad), RuntimeOptions(device="cpu", load_overlap=True)), 0)
     assert built == [1]  # the model was built on the pending load before the hash failed
     assert str(overlapped.value) == str(plain.value)
     assert "sha256 does not match the manifest" in str(plain.value) and "\n" not in str(plain.value)
@@ -157,8 +158,8 @@ def test_a_failed_build_stops_the_readers(artifact, monkeypatch):
 
     path = artifact("tiny-v3")  # compiled (and checked) first
     monkeypatch.setattr(readpass, "read_exact", slow)
-    monkeypatch.setattr(runner_mod, "_assemble", broken)
-    job = RankJob(str(path), "cpu", torch.bfloat16, True, RuntimeOptions(load_overlap=True))
+    monkeypatch.setattr(build_mod, "_assemble", broken)
+    job = RankJob(str(path), RuntimeOptions(device="cpu", load_overlap=True))
     with pytest.raises(MlacError, match="the build failed"):
         build_runner(job, 0)
     assert not [t for t in threading.enumerate() if t.name.startswith("mlac-load")]
@@ -183,7 +184,7 @@ def test_cuda_graphs_captured_while_loading_give_the_tokens_of_a_plain_start(
     greedy tokens as graphs captured after a plain load (same buckets, same kernels)."""
     path = artifact(preset, fp8=fp8)
     kw = dict(device="cuda", dtype=torch.bfloat16, num_blocks=256, cuda_graph_max_bs=16,
-              scheduler_config=SchedulerConfig(prefix_cache=False))  # fmt: skip
+              scheduler=SchedulerConfig(prefix_cache=False))  # fmt: skip
     monkeypatch.setenv(LOAD_OVERLAP_ENV, "0")
     plain = Engine.from_artifact(path, **kw)
     monkeypatch.delenv(LOAD_OVERLAP_ENV)

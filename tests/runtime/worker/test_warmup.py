@@ -20,7 +20,7 @@ def test_warmup_is_a_no_op_on_cpu(artifact):
 def test_forced_warmup_runs_every_shape_and_leaves_no_trace(artifact):
     path = artifact("tiny-v3")
     limits = SchedulerConfig(max_running_requests=8, chunked_prefill_size=120)
-    engine = Engine.from_artifact(path, dtype=torch.float32, num_blocks=256, scheduler_config=limits)
+    engine = Engine.from_artifact(path, dtype=torch.float32, num_blocks=256, scheduler=limits)
     variants = [(1, n) for n in (1, 2, 3, 5, 9, 97)]  # step_variants.warmup_token_counts (4 SMs on CPU)
     assert engine.warmup(force=True) == [(1, 4), (3, 4), (8, 4), (16, 4), *variants, (1, 100), (1, 120)]
     assert engine.pool.allocator.num_free == engine.cache.num_blocks
@@ -43,7 +43,7 @@ def test_server_load_warms_up_unless_told_not_to(artifact, monkeypatch):
     calls = []
     monkeypatch.setattr(Engine, "warmup", lambda self, force=False: calls.append(self) or [(1, 4)])
     for warmup in (True, False):
-        engine = load_engine(ServerConfig(artifact=artifact("tiny-v3"), num_blocks=32, warmup=warmup))
+        engine = load_engine(ServerConfig.of(artifact=artifact("tiny-v3"), num_blocks=32, warmup=warmup))
         engine.close()
     assert len(calls) == 1
 
@@ -52,7 +52,7 @@ def test_warmup_meets_every_moe_tile_config(artifact, monkeypatch):
     # issue 15: a cached burst ran steps of 257-1,365 tokens whose MoE tiles the warm-up (and so
     # `mlac prepare`) never compiled; tiny-v2-lite: 8 experts, top-2, so 385-511 tokens at chunk 512
     limits = SchedulerConfig(max_running_requests=8, chunked_prefill_size=512)
-    engine = Engine.from_artifact(artifact("tiny-v2-lite"), dtype=torch.float32, scheduler_config=limits)
+    engine = Engine.from_artifact(artifact("tiny-v2-lite"), dtype=torch.float32, scheduler=limits)
     met = set()
 
     def spy(x, w13, w2, weights, ids, *args, **kwargs):

@@ -1,4 +1,5 @@
-"""Fused MoE: moe_align and the Triton grouped expert GEMMs against fused_moe_ref.
+"""Fused MoE's grouped path: moe_align (align.py) and the grouped expert GEMMs (grouped.py), run
+through fused_moe (fused.py) against fused_moe_ref.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes (set by _util before triton
 is imported); tests marked gpu run V2-Lite and V3 TP-8 shapes and are skipped without CUDA.
@@ -18,7 +19,8 @@ needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not in
 needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
-_, gemm_mod, moe_mod = _util.kernel_modules()
+_mods = _util.kernel_modules()
+gemm_mod, align_mod, grouped_mod, moe_mod = (_mods[m] for m in ("fp8_gemm", "align", "grouped", "fused"))
 
 from mlac.kernels.moe.routing import RoutingSpec, route_ref  # noqa: E402
 
@@ -59,7 +61,7 @@ def _run(x, w13, w2, weights, ids, s13, s2, config=None):
 def test_moe_align(t, e, top_k, block_m):
     _, ids = _routing(t, e, top_k, seed=t + e, n_invalid=min(3, t * top_k - 1))
     with _util.poisoned_empty():
-        sorted_pairs, block_expert, num_padded = moe_mod.moe_align(ids, e, block_m)
+        sorted_pairs, block_expert, num_padded = align_mod.moe_align(ids, e, block_m)
     p = ids.numel()
     sorted_pairs, block_expert, total = sorted_pairs.cpu(), block_expert.cpu(), int(num_padded.item())
     flat = ids.view(-1).cpu()
@@ -106,7 +108,7 @@ def test_fused_moe_prefill_config(fp8):
     w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=7)
     weights, ids = _routing(t, e, top_k, seed=8, n_invalid=2)
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEV)
-    cfg = moe_mod.MoeConfig(64, 128, 128, 128 if fp8 else 64, num_warps=8, num_stages=3)
+    cfg = grouped_mod.MoeConfig(64, 128, 128, 128 if fp8 else 64, num_warps=8, num_stages=3)
     ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
     _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2, cfg), ref)
 
@@ -161,7 +163,7 @@ def test_fused_moe_split_k(split_k, fp8):
     w13, w2, s13, s2 = _experts(e, d, i, fp8, seed=split_k)
     weights, ids = _routing(t, e, top_k, seed=split_k + 1, n_invalid=1)
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEV)
-    cfg = moe_mod.MoeConfig(16, 128 if fp8 else 64, 128, 128, split_k=split_k)
+    cfg = grouped_mod.MoeConfig(16, 128 if fp8 else 64, 128, 128, split_k=split_k)
     ref = moe_mod.fused_moe_ref(x, w13, w2, weights, ids, s13, s2)
     out = _run(x, w13, w2, weights, ids, s13, s2, cfg)
     _util.assert_close(out, ref)
@@ -173,10 +175,10 @@ def test_fused_moe_split_k(split_k, fp8):
 @needs_triton
 def test_fused_moe_split_k_auto_at_decode():
     """split_k=0 (the FP8 decode default): split_k_for splits the GEMM whose grid is too small."""
-    cfg = moe_mod.pick_moe_config(1, 64, fp8=True)
+    cfg = grouped_mod.pick_moe_config(1, 64, fp8=True)
     assert cfg.split_k == 0
     sms = gemm_mod.sm_count(torch.device(DEV))
-    assert moe_mod._split_for(cfg, 1, 1024, torch.device(DEV)) == gemm_mod.split_k_for(1, 1024, sms) > 1
+    assert grouped_mod._split_for(cfg, 1, 1024, torch.device(DEV)) == gemm_mod.split_k_for(1, 1024, sms) > 1
     t, e, top_k, d, i = 1, 4, 1, 1024, 128
     w13, w2, s13, s2 = _experts(e, d, i, True, seed=3)
     weights, ids = _routing(t, e, top_k, seed=4)

@@ -1,0 +1,82 @@
+"""RuntimeOptions: how a rank runs an artifact (device, dtype, KV cache size, CUDA graphs, ...),
+the innermost layer of the options chain (ServerConfig ⊃ EngineOptions ⊃ RuntimeOptions)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mlac.core.artifact import Manifest
+from mlac.core.errors import MlacError
+from mlac.core.options import Options
+from mlac.core.plan import MAX_BS as MAX_GRAPH_BS
+from mlac.core.plan import decode_buckets
+from mlac.runtime.worker.kernel_cache import CacheMode
+
+GRAPH_DTYPES = (torch.bfloat16, torch.float16)  # every kernel of the step is a Triton one
+LOAD_OVERLAP_ENV = "MLAC_LOAD_OVERLAP"  # "0": load, then build and capture (the A/B of the overlap)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions(Options):
+    """How a rank runs an artifact: on `device` in the compute `dtype` (a torch.dtype, or its name:
+    "bfloat16"), its files checked for size and, with `verify`, sha256; the artifact's kernel
+    cache of this GPU used (`kernel_cache`, see kernel_cache.use_kernel_cache). The KV cache's
+    size (`num_blocks`, else `kv_cache_bytes`, as build.make_cache; on CUDA with neither, the
+    memory plan under `gpu_memory_utilization`, see start.plan_kv), the longest context
+    (`max_model_len`, default the model's) and the CUDA graphs of decode steps (on CUDA, in a
+    GRAPH_DTYPES compute dtype: float32 runs parts of the step through torch references that
+    cannot be captured). `load_overlap` (default: on unless the environment sets
+    MLAC_LOAD_OVERLAP=0): the weights stream in while the model is built and its graphs are
+    captured (build.build_runner); off: load, then build. `require_signature`: a PEM public key;
+    the artifact must be signed with its private key (core/signing.py), its units too to be used."""
+
+    device: torch.device | str = "cpu"  # the CLI passes check_device(--device): cuda when a GPU is present
+    dtype: torch.dtype = torch.bfloat16
+    verify: bool = True
+    kernel_cache: CacheMode = "use"  # "require": refuse to start on a GPU without a cache of its signature
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    block_size: int = 16
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 256
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    draft_layers: int = 0  # KV pools for the MTP layers (speculative decoding; the Engine sets it)
+    dp_attention: bool | None = None  # what the launch expects of the artifact's plan (None: any)
+    load_overlap: bool = field(default_factory=lambda: os.environ.get(LOAD_OVERLAP_ENV, "1") != "0")
+    require_signature: Path | None = None  # a PEM public key the artifact's signature must verify with
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):  # a name, as the CLI and ServerConfig give it
+            dtype = getattr(torch, self.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise MlacError(f"dtype={self.dtype!r}: not a torch dtype (bfloat16, float32)")
+            object.__setattr__(self, "dtype", dtype)
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
+        if not 1 <= self.cuda_graph_max_bs <= MAX_GRAPH_BS:
+            raise MlacError(f"cuda_graph_max_bs={self.cuda_graph_max_bs}: must be in [1, {MAX_GRAPH_BS}]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise MlacError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise MlacError(f"--max-model-len {self.max_model_len}: must be at least 1")
+
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype as the CLI names it: "bfloat16", "float32"."""
+        return str(self.dtype).removeprefix("torch.")
+
+    def graphs_on(self, device: torch.device | str) -> bool:
+        """Whether decode steps on `device` (this rank's) run as CUDA graphs."""
+        return self.cuda_graph and torch.device(device).type == "cuda" and self.dtype in GRAPH_DTYPES
+
+    def graph_buckets(self, manifest: Manifest) -> list[int]:
+        """The artifact's decode buckets (the buckets pass's, or its default ladder for an
+        artifact compiled without them) up to cuda_graph_max_bs, and that size itself."""
+        plan = manifest.buckets
+        ladder = plan.decode_batch_sizes if plan is not None else decode_buckets(MAX_GRAPH_BS)
+        return sorted({b for b in ladder if b < self.cuda_graph_max_bs} | {self.cuda_graph_max_bs})
