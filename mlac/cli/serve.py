@@ -91,6 +91,10 @@ def serve(out_dir, nnodes, node_rank, master_addr, master_port, log_level, engin
     from mlac.runtime.serve.engine_process import EngineProcess
 
     out_dir = fetched(out_dir, flags, node=(node_rank, nnodes) if nnodes > 1 else None)
+    if flags.get("require_signature") is not None:  # refused here, before any process starts or loads
+        from mlac.core.signed import check_artifact_signature
+
+        check_artifact_signature(out_dir, flags["require_signature"])
     launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
     launch = launch if nnodes > 1 else None
     serves = launches_rank_0(launch)  # else another node, or torchrun RANK > 0: no HTTP server here

@@ -54,9 +54,10 @@ def sign(path, key, password_env):
     import os
 
     from mlac.core.artifact import MANIFEST, Manifest, artifact_identity
+    from mlac.core.signed import artifact_signed, unit_signed
     from mlac.core.signing import sign as sign_folder
     from mlac.core.units import UNIT_MANIFEST, load_unit
-    from mlac.core.validity import artifact_signed, check_artifact, unit_signed
+    from mlac.core.validity import check_artifact
 
     password = os.environ.get(password_env) if password_env else None
     if password_env and password is None:

@@ -19,24 +19,22 @@ A rank folder may be absent as a whole (a node that pulled only its own ranks: `
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlac.core.artifact import IDENTITY, MANIFEST, Manifest, TensorEntry, check_identity, identity_record
+from mlac.core.artifact import IDENTITY, MANIFEST, Manifest, TensorEntry, check_identity
 from mlac.core.errors import IntegrityError, MlacError
 from mlac.core.files import FileEntry, check_no_symlinks, verify_files
 from mlac.core.safetensors_io import SafetensorsFile, dtype_name
-from mlac.core.signing import SIGNATURE, UNIT_SIGNATURE, Signed, check_signature
+from mlac.core.signed import artifact_signed
+from mlac.core.signing import SIGNATURE, UNIT_SIGNATURE, check_signature
 from mlac.core.units import (
     CACHE_DIR,
     UNIT_IDENTITY,
     UNIT_MANIFEST,
     UnitManifest,
     load_unit,
-    unit_identity,
-    unit_identity_record,
 )
 
 Progress = Callable[[int], None]
@@ -232,27 +230,3 @@ def _walk(root: Path) -> list[str]:
         if p.is_symlink() or p.is_file():
             out.append(p.relative_to(root).as_posix())
     return out
-
-
-# ---- what a signature covers ---------------------------------------------------------------------
-
-
-def artifact_signed(root: Path, manifest: Manifest, identity: str) -> Signed:
-    """The artifact's signed digests: its manifest, identity and every listed file. Units are signed
-    apart (they come later, from GPU jobs): a schema-3 signature leaves cache/ out."""
-    digests = {MANIFEST: identity, IDENTITY: _sha256(identity_record(identity))}
-    digests |= {f.path: f.sha256 for f in manifest.files}
-    ignored = (CACHE_DIR,) if manifest.schema_version >= 3 else ()
-    return Signed(root, digests, SIGNATURE, ignored)
-
-
-def unit_signed(folder: Path, unit: UnitManifest) -> Signed:
-    """A unit's signed digests: unit.json, unit.sha256 and its files."""
-    identity = unit_identity(folder)
-    digests = {UNIT_MANIFEST: identity, UNIT_IDENTITY: _sha256(unit_identity_record(identity))}
-    digests |= {f.path: f.sha256 for f in unit.files}
-    return Signed(folder, digests, UNIT_SIGNATURE)
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()

@@ -6,7 +6,8 @@ their credential helpers) and bearer-token exchanges. mlac adds what moving a mo
 streamed to and from disk (never whole in memory), each download checked against its digest as
 it streams and resumed where an earlier one stopped, bounded retries, and one-line errors. A
 username and password may also come from MLAC_REGISTRY_USERNAME / MLAC_REGISTRY_PASSWORD.
-Credentials are never printed.
+Credentials are never printed. A registry without TLS is spoken to over plain HTTP with
+`--plain-http`, or when MLAC_INSECURE_REGISTRIES names it (HOST:PORT, comma-separated).
 
 Every failure of the registry or the network is a RegistryError (exit code 5); bytes that do not
 match their digest are an IntegrityError (exit code 3).
@@ -33,6 +34,8 @@ CHUNK = 1 << 20
 ATTEMPTS = 3  # connection errors and 5xx: tried again after 1 s, then 2 s; 4xx: not
 TIMEOUT_S = (10, 300)  # connect, read (between bytes)
 USERNAME_ENV, PASSWORD_ENV = "MLAC_REGISTRY_USERNAME", "MLAC_REGISTRY_PASSWORD"
+# registries spoken to over plain HTTP (docker's "insecure-registries"), comma-separated HOST[:PORT]
+INSECURE_ENV = "MLAC_INSECURE_REGISTRIES"
 
 Progress = Callable[[int], None]
 
@@ -42,8 +45,9 @@ class Registry:
 
     def __init__(self, ref: Reference, plain_http: bool = False):
         self.ref = ref
-        self.plain_http = plain_http
-        self.base = f"{'http' if plain_http else 'https'}://{ref.registry}/v2/{ref.repository}"
+        insecure = {h.strip() for h in os.environ.get(INSECURE_ENV, "").split(",") if h.strip()}
+        self.plain_http = plain_http or ref.registry in insecure
+        self.base = f"{'http' if self.plain_http else 'https'}://{ref.registry}/v2/{ref.repository}"
         self._local = threading.local()
 
     # ---- the client of this thread ----------------------------------------------------------

@@ -21,9 +21,10 @@ import mlac.tools.prepare as prep
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions, Manifest, artifact_identity
 from mlac.core.errors import IntegrityError, MlacError, RegistryError
+from mlac.core.signed import artifact_signed
 from mlac.core.signing import SIGNATURE
 from mlac.core.units import TargetSignature
-from mlac.core.validity import artifact_signed, check_artifact
+from mlac.core.validity import check_artifact
 from mlac.ship import oci
 from mlac.ship.pull import pull
 from mlac.ship.push import push

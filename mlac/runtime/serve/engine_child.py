@@ -136,7 +136,9 @@ def _ready_info(engine) -> dict:
 
 
 def _failed(error: BaseException | None, metrics: MetricsRecorder) -> tuple:
-    return ("failed", str(error), repr(error), isinstance(error, MlacError), metrics.take())
+    """A load failure as plain data; an MlacError keeps its exit code (core/errors.py)."""
+    code = error.exit_code if isinstance(error, MlacError) else None
+    return ("failed", str(error), repr(error), code, metrics.take())
 
 
 def _apply_messages(conn: Connection, loop: EngineLoop, channel: Channel) -> None:

@@ -3,7 +3,7 @@ errors as plain data for the pipe between the engine's process and the server's.
 
 from __future__ import annotations
 
-from mlac.core.errors import MlacError
+from mlac.core.errors import IntegrityError, MlacError, RegistryError, TargetMismatch
 
 
 class QueueFull(MlacError):
@@ -29,12 +29,19 @@ def check_room(unfinished: int, n: int, limit: int, refusing: MlacError | None) 
         raise QueueFull(f"server busy: {unfinished} requests queued or running; retry later")
 
 
+BY_CODE = {e.exit_code: e for e in (MlacError, IntegrityError, TargetMismatch, RegistryError)}
+
+
 def encode_error(e: BaseException) -> tuple[str, str]:
-    """An engine failure as plain data, to cross to the server's process: (kind, message)."""
-    kind = "shutdown" if isinstance(e, ShuttingDown) else "dead" if isinstance(e, EngineDead) else "error"
-    return (kind, str(e))
+    """An engine failure as plain data, to cross to the server's process: (kind, message); an
+    error's kind keeps its exit code (an integrity failure stays one: core/errors.py)."""
+    if isinstance(e, ShuttingDown | EngineDead):
+        return ("shutdown" if isinstance(e, ShuttingDown) else "dead", str(e))
+    return (f"error{getattr(e, 'exit_code', 1)}", str(e))
 
 
 def decode_error(kind: str, message: str) -> MlacError:
     """encode_error's inverse: the exception Submission answers as in one process (503 / 500)."""
+    if kind.startswith("error"):
+        return BY_CODE.get(int(kind[5:] or 1), MlacError)(message)
     return {"shutdown": ShuttingDown, "dead": EngineDead}.get(kind, MlacError)(message)

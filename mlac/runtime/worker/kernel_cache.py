@@ -36,9 +36,10 @@ import torch
 from mlac.core.artifact import Manifest, cache_files
 from mlac.core.errors import IntegrityError, MlacError, TargetMismatch
 from mlac.core.files import FileEntry, check_inside
+from mlac.core.signed import unit_signed
 from mlac.core.signing import check_signature
 from mlac.core.units import CACHE_DIR, TRITON_DIR, TargetSignature, UnitManifest, signature_differences
-from mlac.core.validity import ArtifactCheck, unit_signed
+from mlac.core.validity import ArtifactCheck
 from mlac.runtime.worker.target import current_target
 
 CacheMode = Literal["use", "require", "off"]  # off: Triton's own cache directory, untouched
