@@ -321,7 +321,7 @@ def test_tampered_artifact_is_refused(artifact, tmp_path):
     data = bytearray(layer.read_bytes())
     data[-1] ^= 1
     layer.write_bytes(bytes(data))
-    one_line_error(invoke("export", "onnx", src, tmp_path / "out"), "sha256")
+    one_line_error(invoke("export", "onnx", src, tmp_path / "out"), "sha256", code=3)  # an integrity failure
     assert not (tmp_path / "out").exists()
 
 
