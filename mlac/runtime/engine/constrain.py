@@ -48,6 +48,16 @@ class InvalidGrammar(MlacError, ValueError):
         self.param = param
 
 
+class GrammarFailed(MlacError):
+    """llguidance stopped following a sequence's grammar (its matcher went into error): that
+    request fails, alone."""
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the state dump that follows its first line."""
+    return error.strip().splitlines()[0][:MAX_ERROR_CHARS] if error.strip() else "unknown error"
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a completion must match. `source`: the JSON schema as a JSON string (json_schema),
@@ -95,9 +105,16 @@ class Matcher:
         self.mask_words = mask_words  # int32 words of one mask: ceil(llguidance's vocabulary / 32)
 
     def advance(self, token: int) -> None:
-        """Take a sampled token. A token the grammar forbids (it was masked: only a caller that
-        bypassed the mask can do it) leaves the matcher in error, hence done."""
+        """Take a sampled token; GrammarFailed if that leaves the matcher in error (a token the
+        grammar forbids: it was masked, so only a caller that bypassed the mask can do it)."""
         self._m.consume_token(token)
+        self.check()
+
+    def check(self) -> None:
+        """GrammarFailed if llguidance put the matcher in error (consuming a token, or computing
+        its mask: a grammar that allows nothing more, say)."""
+        if self._m.is_error():
+            raise GrammarFailed(f"the grammar failed: {_first_line(self._m.get_error())}")
 
     @property
     def done(self) -> bool:
@@ -164,7 +181,17 @@ class Grammars:
         if m.is_error():
             why = m.get_error().strip()[:MAX_ERROR_CHARS]
             raise InvalidGrammar(f"response_format: cannot compile the {spec.kind} grammar: {why}")
+        self._check_start(m, spec)
         return m
+
+    def _check_start(self, compiled, spec: GrammarSpec) -> None:
+        """InvalidGrammar when the grammar allows no first token: a schema that compiles but
+        matches nothing (`{"$ref": "#"}`) puts its matcher in error at its first mask."""
+        probe = Matcher(compiled.deep_copy(), self._executor, (self._lltok.vocab_size + 31) // 32)
+        token_bitmask([probe], check=False)
+        if probe._m.is_error():
+            why = _first_line(probe._m.get_error())
+            raise InvalidGrammar(f"response_format: the {spec.kind} grammar matches no output ({why})")
 
 
 def mask_logits(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> torch.Tensor:
@@ -182,12 +209,15 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> tor
     return out
 
 
-def token_bitmask(matchers: Sequence[Matcher]) -> torch.Tensor:
+def token_bitmask(matchers: Sequence[Matcher], check: bool = True) -> torch.Tensor:
     """[R, W] int32 on the CPU: bit k of word w of row r is set when matchers[r] allows token
-    32w + k next. The rows are filled in parallel (llguidance's executor drops the GIL)."""
+    32w + k next. The rows are filled in parallel (llguidance's executor drops the GIL). With
+    `check`, GrammarFailed if a matcher went into error (the caller retries the rows alone)."""
     bits = torch.zeros(len(matchers), matchers[0].mask_words, dtype=torch.int32)
     pairs = [(m._m, r) for r, m in enumerate(matchers)]
     matchers[0]._executor.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), bits.shape[1] * 4, bits.shape[0])
+    for m in matchers if check else ():
+        m.check()
     return bits
 
 

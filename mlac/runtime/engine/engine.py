@@ -371,7 +371,8 @@ class Engine:
         """Complete one prompt (-> Completion) or a batch of prompts (-> [Completion]) through the
         continuous-batching scheduler. Sampling comes from `sampling_params` (one for all, or one
         per prompt) or from SamplingParams keyword arguments (max_tokens=16, temperature=0.0 i.e.
-        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs)."""
+        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs). A prompt
+        that failed in the engine alone (Sequence.fail) raises MlacError once the others finished."""
         one = is_one_prompt(prompts)
         batch = [prompts] if one else list(prompts)
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in ("stop", "stop_token_ids")}
@@ -385,6 +386,10 @@ class Engine:
                 sched.step()
         finally:
             sched.abort_all()  # frees every block if a step failed
+        failed = [(i, s.error) for i, s in enumerate(seqs) if s.error is not None]
+        if failed:
+            which = "" if one else f"prompt {failed[0][0]}: "
+            raise MlacError(f"{which}the request failed in the engine: {failed[0][1]}")
         out = [self._completion(s) for s in seqs]
         return out[0] if one else out
 
@@ -404,6 +409,8 @@ class Engine:
         try:
             while not seq.finished:
                 sched.step()
+                if seq.error is not None:
+                    raise MlacError(f"the request failed in the engine: {seq.error}")
                 delta = seq.take_delta()
                 if delta.text or delta.token_ids or delta.finish_reason:
                     yield delta

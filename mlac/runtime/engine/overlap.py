@@ -34,12 +34,12 @@ device-side chain (spec_decode.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from mlac.runtime.engine.sampling import logprob_tensors, read_logprobs, sample, to_device
+from mlac.runtime.engine.sampling import logprob_tensors, read_logprobs, sample_apart, to_device
 from mlac.runtime.step import Step
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class Flight:
     ids: torch.Tensor  # [B] int64 on the device: the sampled tokens (the next step's input)
     host: list[torch.Tensor]  # host copies: ids [B], then logprob values and ids [R, 1 + k] if asked
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU: nothing to wait for)
+    errors: dict[int, Exception] = field(default_factory=dict)  # rows whose draw raised: they fail
 
 
 def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
@@ -150,27 +151,31 @@ class Overlap:
         """Run `step` (token ids from `ids` [B] on the device when given), sample on the device,
         start the copies to the host. Counts each row's token as computed."""
         logits = self.runner.run_decode(step, ids)  # [B, V] (the graphs' view: sampled before the next step)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])  # [B]
+        tokens, errors = sample_apart(logits, [s.params for s in seqs], [s.generator for s in seqs])  # [B]
         lps = logprob_tensors(logits, tokens, [s.params.logprobs for s in seqs])
         host, done = to_host([tokens, *(lps or ())])
         for s in seqs:
             s.num_computed += 1
-        return Flight(seqs, tokens, host, done)
+        return Flight(seqs, tokens, host, done, errors)
 
     @staticmethod
     def land(sched: Scheduler, flight: Flight) -> list[Sequence]:
         """Wait for the flight's tokens and append them (a sequence that finished meanwhile drops
-        its row); release the sequences that finish. Returns the sequences with news."""
+        its row; one whose draw raised fails, as one that finishes here: its row in the step
+        launched since is dropped); release the sequences that finish. Returns those with news."""
         if flight.done is not None:
             flight.done.synchronize()
         tokens, *lp_host = (x.tolist() for x in flight.host)
         num_top = [s.params.logprobs for s in flight.seqs]
         lps = read_logprobs(*lp_host, num_top) if lp_host else [None] * len(tokens)
         news = []
-        for s, t, lp in zip(flight.seqs, tokens, lps, strict=True):
+        for j, (s, t, lp) in enumerate(zip(flight.seqs, tokens, lps, strict=True)):
             if s.finished:
                 continue
-            s.append_token(t, lp, sched.eos_ids, sched.max_context)
+            if j in flight.errors:
+                s.fail(flight.errors[j])
+            else:
+                s.append_token(t, lp, sched.eos_ids, sched.max_context)
             if s.finished:
                 sched._release(s)
             news.append(s)

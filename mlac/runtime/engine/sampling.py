@@ -193,6 +193,32 @@ def sample(
     return out
 
 
+def sample_apart(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """As `sample`, but one row's failure does not fail the others: token ids [B], and the rows
+    whose draw raised, with their errors (their id is the row's argmax: a placeholder the caller
+    drops). The rows go together; only if that raises does each go alone, each seeded generator
+    first rewound to where it was (a row draws what it would have drawn without the failure)."""
+    states = [g.get_state() if g is not None else None for g in generators]
+    try:
+        return sample(logits, params, generators), {}
+    except Exception:  # noqa: BLE001  (one row's: found below, row by row)
+        for g, state in zip(generators, states, strict=True):
+            if state is not None:
+                g.set_state(state)
+    ids, errors = [], {}
+    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
+        try:
+            ids.append(sample(logits[i : i + 1], [p], [g]))
+        except Exception as e:  # noqa: BLE001  (this row's failure: its request's error)
+            errors[i] = e
+            ids.append(logits[i : i + 1].argmax(dim=-1))
+    return torch.cat(ids), errors
+
+
 def logprob_tensors(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:

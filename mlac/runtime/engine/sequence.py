@@ -4,6 +4,10 @@ Delta it streams, and the sampling of its next token.
 `Sequence.append_token` decides when a sequence finishes (stop token, stop string, grammar
 complete, max_tokens, context full); `take_delta` hands out what is new, holding back text that
 could still become a stop string.
+
+One request never fails another: what is done per row (its sampling, its grammar's mask and
+matcher, its detokenizer, its stop strings) fails only that row's sequence (`Sequence.fail`:
+finish_reason "error", `error` says why); the step goes on for the others.
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ from typing import Literal
 import torch
 
 from mlac.runtime.engine.constrain import Matcher, mask_logits
-from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
+from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, sample_apart, token_logprobs
 from mlac.runtime.engine.tokenizer import IncrementalDetokenizer
 from mlac.runtime.kvcache.radix import Node
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]  # error: Sequence.fail
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     prefix: Node | None = None  # its matched prefix-cache node while it holds blocks
     dp_rank: int = 0  # DP attention: the rank whose KV cache holds its blocks (Scheduler.pools)
+    error: str | None = None  # why it failed alone (Sequence.fail): its request's error
     first_token_time: float | None = None
     last_token_time: float | None = None
     _sent_tokens: int = 0
@@ -98,15 +103,29 @@ class Sequence:
         if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
             self.finish_reason = "stop"  # the stop token's text is not part of the completion
             return
-        if self.matcher is not None:
-            self.matcher.advance(token)
-        new = self.detok.add(token) if self.detok is not None else ""
-        if new and p.stop:
-            self.stop_at = find_stop(self.detok.text, len(new), p.stop)
+        try:
+            self._follow(token)
+        except Exception as e:  # noqa: BLE001  (its grammar or detokenizer: this request's failure)
+            self.fail(e)
+            return
         if self.stop_at is not None or (self.matcher is not None and self.matcher.done):
             self.finish_reason = "stop"
         elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_context:
             self.finish_reason = "length"
+
+    def _follow(self, token: int) -> None:
+        """The grammar and the text take `token`; a stop string it completes sets stop_at."""
+        if self.matcher is not None:
+            self.matcher.advance(token)
+        new = self.detok.add(token) if self.detok is not None else ""
+        if new and self.params.stop:
+            self.stop_at = find_stop(self.detok.text, len(new), self.params.stop)
+
+    def fail(self, error: BaseException) -> None:
+        """End this sequence alone (finish_reason "error"): something done for its row alone raised.
+        The scheduler releases it as a finished one; its request answers `error`."""
+        self.error = f"{type(error).__name__}: {error}"
+        self.finish_reason = "error"
 
     def text(self) -> str:
         """The completion's text so far; once finished, final (flushed, cut before a stop string)."""
@@ -166,9 +185,34 @@ def unique(seqs: list[Sequence]) -> list[Sequence]:
 
 def sample_next(seqs: list[Sequence], logits: torch.Tensor, eos_ids: Seq[int], max_context: int) -> None:
     """Sample one token per sequence from its logits [B, V] and append it (with its logprobs). A
-    sequence with a grammar samples among the tokens it allows; its logprobs are the model's."""
-    masked = mask_logits(logits, [s.matcher for s in seqs])  # logits itself when none has a grammar
-    tokens = sample(masked, [s.params for s in seqs], [s.generator for s in seqs])
+    sequence with a grammar samples among the tokens it allows; its logprobs are the model's.
+    A row whose mask or draw raises fails its sequence alone (`Sequence.fail`); the others get
+    the tokens they would have got without it."""
+    masked, failed = _mask_apart(logits, [s.matcher for s in seqs])
+    tokens, errors = sample_apart(masked, [s.params for s in seqs], [s.generator for s in seqs])
     lps = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
-    for s, t, lp in zip(seqs, tokens.tolist(), lps, strict=True):
-        s.append_token(t, lp, eos_ids, max_context)
+    failed.update(errors)
+    for j, (s, t, lp) in enumerate(zip(seqs, tokens.tolist(), lps, strict=True)):
+        if j in failed:
+            s.fail(failed[j])
+        else:
+            s.append_token(t, lp, eos_ids, max_context)
+
+
+def _mask_apart(
+    logits: torch.Tensor, matchers: list[Matcher | None]
+) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """mask_logits(logits, matchers) and no errors; if that raises, each row is masked alone: a row
+    whose mask raised keeps its logits (its sequence fails), its error comes back by row."""
+    try:
+        return mask_logits(logits, matchers), {}
+    except Exception:  # noqa: BLE001  (one row's grammar: found below, row by row)
+        pass
+    rows, errors = [], {}
+    for i, m in enumerate(matchers):
+        try:
+            rows.append(mask_logits(logits[i : i + 1], [m]))
+        except Exception as e:  # noqa: BLE001  (this row's failure: its request's error)
+            errors[i] = e
+            rows.append(logits[i : i + 1])
+    return torch.cat(rows), errors
