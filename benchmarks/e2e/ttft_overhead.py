@@ -111,7 +111,7 @@ def trace_server(stamp: Stamps) -> None:
         return AsgiStamps(make(*args, **kwargs), stamp)
 
     launch.create_app = create_app
-    app.read_json = stamped_async(stamp, "body_read", app.read_json)
+    app.read_body = stamped_async(stamp, "body_read", app.read_body)
     client = engine_client.EngineClient
     client.submit = stamped(stamp, "submit", client.submit)
     client._on_step = stamped(stamp, "reader_got", client._on_step)

@@ -24,7 +24,7 @@ from mlac.core.errors import MlacError
 from mlac.runtime.engine.constrain import GrammarSpec
 from mlac.runtime.engine.generation_config import sampling_defaults
 from mlac.runtime.engine.sequence import Sequence
-from mlac.runtime.serve.body import read_json
+from mlac.runtime.serve.body import read_body
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_client import EngineClient, start_engine
 from mlac.runtime.serve.loop import EngineLoop
@@ -40,7 +40,6 @@ from mlac.runtime.serve.protocol import (
     check_choices,
     grammar_spec,
     new_sequences,
-    parse_body,
     prompt_list,
 )
 from mlac.runtime.serve.reasoning import prompt_opens_think
@@ -171,7 +170,7 @@ class Api:
         return {"object": "list", "data": [card]}
 
     async def completions(self, request: Request):
-        body: CompletionBody = parse_body(CompletionBody, await self._read(request))
+        body: CompletionBody = await self._read(request, CompletionBody)
         engine = self._admit(body)
         prompts = prompt_list(body.prompt, self.config.max_unfinished, body.n)
 
@@ -193,7 +192,7 @@ class Api:
         return await _respond(request, body, sub, render, lambda: self._count(request, 200))
 
     async def chat(self, request: Request):
-        body: ChatBody = parse_body(ChatBody, await self._read(request))
+        body: ChatBody = await self._read(request, ChatBody)
         engine = self._admit(body)
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
@@ -224,7 +223,7 @@ class Api:
         """vLLM's /tokenize: {"model", "prompt" | "messages", "add_special_tokens"} -> {"count",
         "max_model_len", "tokens", "token_strs"}. Messages go through the chat template (no bos
         added by default: the template writes it); a prompt gets bos unless add_special_tokens=false."""
-        body: TokenizeBody = parse_body(TokenizeBody, await self._read(request))
+        body: TokenizeBody = await self._read(request, TokenizeBody)
         engine = self._admit(body)
         tok = engine.tokenizer
         if tok is None:
@@ -246,7 +245,7 @@ class Api:
 
     async def detokenize(self, request: Request):
         """vLLM's /detokenize: {"model", "tokens"} -> {"prompt"} (special tokens kept, as vLLM)."""
-        body: DetokenizeBody = parse_body(DetokenizeBody, await self._read(request))
+        body: DetokenizeBody = await self._read(request, DetokenizeBody)
         engine = self._admit(body)
         if engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", param="tokens")
@@ -259,8 +258,9 @@ class Api:
         self._count(request, 200)
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    async def _read(self, request: Request) -> dict[str, Any]:
-        return await read_json(request, self.config.max_body_bytes, self.config.request_body_timeout)
+    async def _read(self, request: Request, model: type):
+        """The body as `model`, read and parsed within body.py's limits (a large one off the loop)."""
+        return await read_body(request, model, self.config.max_body_bytes, self.config.request_body_timeout)
 
     def _admit(self, body: Body):
         """The engine, once the request may run: the model is loaded, not draining, model matches."""

@@ -4,6 +4,7 @@ Types are strict: `"max_tokens": "10"` or `"stream": "yes"` is a 400, not coerce
 still accepted where a float is expected). Limits that the models cannot state:
 
     stop          at most MAX_STOP_STRINGS strings, MAX_STOP_CHARS characters in all
+    messages      at most MAX_MESSAGES; content parts of type "text" only (a 400 naming the part)
     prompts       at most `max_unfinished` (--max-running-requests + --max-queue) choices (prompts
                   times n) in one request: more could never be admitted
 
@@ -32,6 +33,7 @@ from mlac.runtime.engine.sequence import Sequence
 MAX_N = 16  # choices of one request (n); each is one engine request
 MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM has no limit; 300,000 of them slowed every request 5-7x
 MAX_STOP_CHARS = 8192  # over all stop strings of a request
+MAX_MESSAGES = 2048  # of a chat (OpenAI's limit)
 
 
 class ApiError(Exception):
@@ -121,7 +123,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(Body):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -139,7 +141,7 @@ class TokenizeBody(BaseModel):
 
     model: str
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
@@ -160,8 +162,8 @@ def chat_messages(body: ChatBody | TokenizeBody) -> list[dict[str, Any]]:
     """The messages as the chat template sees them: every field given (tool_calls, tool_call_id,
     name, ...), content as text, and a null content kept null (an assistant turn of tool calls)."""
     return [
-        {**m.model_dump(exclude_none=True), "content": None if m.content is None else message_text(m.content)}
-        for m in body.messages
+        {**m.model_dump(exclude_none=True), "content": message_text(m.content, f"messages[{i}].content")}
+        for i, m in enumerate(body.messages)
     ]
 
 
@@ -297,16 +299,20 @@ def grammar_spec(body: Body) -> GrammarSpec | None:
     return None
 
 
-def message_text(content: str | list[dict[str, Any]] | None) -> str:
-    """A message's content as text: a string, or the text parts of a content list."""
+def message_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
+    """A message's content as text: a string, None, or the text parts of a content list; a part
+    of another type (an image, audio) is a 400 whose param names it, as OpenAI's: `where` (the
+    content's path, "messages[0].content") + "[1].type"."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return content
     parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(
-                400, f"unsupported content part of type {part.get('type')!r}: only text", "messages"
-            )
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise ApiError(400, f"{where}[{j}].type: content parts of type {kind!r} are not supported "
+                           "(only 'text')", param=f"{where}[{j}].type")  # fmt: skip
+        if not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}[{j}].text: must be a string", param=f"{where}[{j}].text")
         parts.append(part["text"])
     return "".join(parts)
 

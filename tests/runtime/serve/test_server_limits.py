@@ -1,6 +1,7 @@
 """The server against hostile clients: bodies it must refuse with an OpenAI-shaped 4xx (lone
-surrogates, deep nesting, strings for ints and bools, too many prompts or stop strings), a body
-that drips in over a raw socket (408, connection closed), and the drain timeout ending an open
+surrogates in any encoding, deep nesting, too many arrays or items, strings for ints and bools, too
+many prompts, messages or stop strings, an image content part, a schema that matches nothing), a
+body that drips in over a raw socket (408, connection closed), and the drain timeout ending an open
 stream with an error event and `data: [DONE]`. None of them may log a traceback.
 
 Servers run in-process (ServerThread), CPU, float32, the tiny-v3 artifact.
@@ -21,8 +22,8 @@ import pytest
 
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.serve import ServerConfig, ServerThread
-from mlac.runtime.serve.body import MAX_JSON_DEPTH
-from mlac.runtime.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from mlac.runtime.serve.body import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_JSON_ITEMS
+from mlac.runtime.serve.protocol import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 KEY = "sk-test"
 MODEL = "tiny"
@@ -116,7 +117,15 @@ REFUSED = [
     ("lone surrogate in chat", CHAT, obj(M, r'"messages": [{"role": "user", "content": "a\udfffb"}]'), None),
     ("lone surrogate in a key", CMPL, obj(M, P, r'"\ud800": 1'), None),
     ("nested 1,000 deep", CMPL, obj(M, P, f'"x": {nested(1000)}'), None),
-    ("nested 100k deep", CMPL, obj(M, P, f'"x": {nested(10**5)}'), None),
+    ("nested 100k deep", CMPL, obj(M, P, f'"x": {nested(10**5)}'), None),  # too many arrays, first
+    ("300,000 empty arrays", CMPL, obj(M, f'"prompt": [{",".join(["[]"] * 300_000)}]'), None),  # 900 kB
+    ("too many items", CMPL, obj(M, f'"prompt": [{",".join(["5"] * (MAX_JSON_ITEMS + 1))}]'), None),
+    ("too many messages", CHAT, obj(M, f'"messages": {json.dumps([{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1))}'), "messages"),
+    ("an image content part", CHAT, obj(M, '"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
+                                           '{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]'),
+     "messages[0].content[1].type"),
+    ("a schema that matches nothing", CHAT, obj(M, HI, '"response_format": {"type": "json_schema", '
+                                                      '"json_schema": {"name": "x", "schema": {"$ref": "#"}}}'), "response_format"),
     ("max_tokens as a string", CMPL, obj(M, P, '"max_tokens": "10"'), "max_tokens"),
     ("stream as a string", CMPL, obj(M, P, '"stream": "yes"'), "stream"),
     ("stream as an int", CHAT, obj(M, HI, '"stream": 1'), "stream"),
@@ -133,12 +142,36 @@ def test_hostile_bodies_get_a_400_and_no_traceback(server, what, route, raw, par
     assert err["param"] == param and err["type"] == "invalid_request_error"
     if param == "prompt":
         assert f"at most {MAX_PROMPTS}" in err["message"] and "--max-queue" in err["message"]
-    if "nested" in what:
+    if what == "nested 1,000 deep":
         assert f"deeper than {MAX_JSON_DEPTH} levels" in err["message"]
+    if what in ("nested 100k deep", "300,000 empty arrays"):
+        assert err["message"].endswith(f"(arrays and objects); at most {MAX_JSON_CONTAINERS} are allowed")
+    if what == "too many items":
+        assert f"holds {MAX_JSON_ITEMS + 1} ','" in err["message"]
+    if param == "messages[0].content[1].type":
+        assert "'image_url' are not supported" in err["message"]
+    if param == "response_format":
+        assert "matches no output" in err["message"]
     ok = httpx.post(
         f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers=AUTH
     )
     assert ok.status_code == 200  # and the server keeps serving
+
+
+SURROGATE = json.dumps({"model": MODEL, "prompt": "a\ud800b", "max_tokens": 1}, ensure_ascii=False)
+ENCODINGS = ["utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]  # utf-16, -32: a BOM
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_a_lone_surrogate_is_a_400_in_any_encoding_and_valid_text_is_served(server, encoding):
+    """json.loads detects UTF-16 and UTF-32 and lets an encoded lone surrogate through: the body is
+    decoded strictly instead, and the same body without it is served."""
+    with no_tracebacks():
+        err = openai_error(post_raw(server, CMPL, SURROGATE.encode(encoding, "surrogatepass")), 400)
+        assert err["message"].startswith(f"request body is not valid {encoding.upper()}: ")
+        assert "\n" not in err["message"] and err["type"] == "invalid_request_error"
+        valid = SURROGATE.replace("\ud800", "\u00e9").encode(encoding)
+        assert post_raw(server, CMPL, valid).status_code == 200
 
 
 def test_what_is_within_the_limits_is_served(server):
@@ -150,6 +183,8 @@ def test_what_is_within_the_limits_is_served(server):
         "temperature": 0,  # an int where a float is expected is still fine
         "user": "é\U0001f600",  # valid non-ASCII text, astral plane included
         "metadata": json.loads(nested(MAX_JSON_DEPTH - 1)),  # an ignored field: the body is 64 deep
+        "logit_bias": {},  # arrays and items, below the limits (an ignored, neutral field)
+        "user_tags": [[]] * (MAX_JSON_CONTAINERS - 3 * MAX_PROMPTS - 200),
     }
     with no_tracebacks():
         r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60)
