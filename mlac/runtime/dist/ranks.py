@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from mlac.core.errors import MlacError
 from mlac.runtime.dist.node_ranks import NodeRanks
-from mlac.runtime.dist.shm_channel import ShmChannel
+from mlac.runtime.dist.shm_channel import ShmChannel, pid_stopped
 from mlac.runtime.dist.step_link import StepLink, send_stop
 from mlac.runtime.dist.world import (  # noqa: F401  (LaunchSpec, plan_world, launches_rank_0: re-exported)
     LaunchSpec,
@@ -280,6 +280,17 @@ class RankGroup:
             return None
         first = min(reported, key=lambda r: reported[r][0])
         return first, reported[first][1]
+
+    def trouble(self) -> tuple[str, bool] | None:
+        """Rank 0, from any thread: (why, dead) for the first rank it spawned that exited (dead) or
+        is stopped (SIGSTOP, a debugger: it answers no collective until it runs again); None
+        while they all run. Ranks on other nodes are not seen here: a step they break says so."""
+        for r, p in sorted(self.procs.items()):
+            if p.exitcode is not None:
+                return f"rank {r} exited unexpectedly ({describe_exit(p.exitcode)})", True
+            if pid_stopped(p.pid):
+                return f"rank {r} is stopped: it answers nothing until it runs again", False
+        return None
 
     def raise_failure(self, when: str) -> None:
         found = self.find_failure()

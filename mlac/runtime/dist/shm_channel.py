@@ -62,7 +62,7 @@ Alive = Callable[[], None]  # raises (MlacError) when the other side is gone
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie does not: it died and waits for its parent)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = _pid_state(pid)
     except FileNotFoundError:
         return False
     except (OSError, IndexError):  # no /proc: existence only
@@ -72,6 +72,20 @@ def pid_alive(pid: int) -> bool:
             return False
         return True
     return state not in ("Z", "X")
+
+
+def pid_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger): alive, but it runs nothing until
+    SIGCONT. False where /proc cannot say."""
+    try:
+        return _pid_state(pid) in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _pid_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat (R, S, D, T, t, Z, X, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 class ShmChannel:

@@ -147,6 +147,9 @@ class Api:
         error = loop.load_error or loop.failure  # failed to load, or died since (engine_errors.EngineDead)
         if error is not None:
             return JSONResponse({"status": "failed", "error": str(error)}, status_code=503)
+        trouble = loop.trouble  # a rank stopped, or the engine's process froze (heartbeat.py)
+        if trouble is not None:
+            return JSONResponse({"status": "unresponsive", "error": trouble}, status_code=503)
         if not loop.ready or draining:
             return JSONResponse({"status": "draining" if draining else "loading"}, status_code=503)
         return {"status": "ok", "startup": getattr(loop.engine, "startup", None)}  # launch.record_startup

@@ -13,9 +13,11 @@ engine -> server (`ops`: the metric ops recorded since the last message, metrics
     ("step", items, ended, ops)       ONE per engine step: items [(rid, Delta | (kind, message))]
                                       in the order produced (kind: "shutdown", "dead" or "error"),
                                       ended the rids whose request is over (nothing more comes for them)
-    ("dead", message)                 the engine died (an exception escaped its loop; every request
-                                      ended with it already): the server stops this process, which
-                                      then exits with code 1
+    ("dead", message)                 the engine died (an exception escaped its loop, a rank exited;
+                                      every request ended with it already): the server stops this
+                                      process, which then exits with code 1
+    ("beat", trouble)                 every heartbeat.BEAT_S, from the start: what is wrong with the
+                                      ranks (None: nothing); late beats mean a frozen engine process
 
 A request id (rid) is the Sequence's seq_id on both sides.
 """
@@ -108,6 +110,7 @@ def run(
     loop.on_ready = lambda: channel.send(("ready", _ready_info(loop.engine), metrics.take()))
     loop.on_load_error = lambda: channel.send(_failed(loop.load_error, metrics))
     loop.on_failure = lambda: channel.send(("dead", str(loop.failure)))
+    loop.on_beat = lambda trouble: channel.send(("beat", trouble))
     loop.start()
     try:
         _apply_messages(conn, loop, channel)

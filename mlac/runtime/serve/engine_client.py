@@ -6,7 +6,9 @@ The server's process holds the artifact's tokenizer and manifest, no weights and
 FrontEngine tokenizes and validates requests as Engine.new_sequence does (so a bad request is a
 400 before it is accepted), and a Request crosses as plain data. One reader thread takes the
 engine's messages, one per step: it replays their metric ops into the server's Metrics and hands
-each event loop its deltas in one `call_soon_threadsafe` (outlet.hand_over).
+each event loop its deltas in one `call_soon_threadsafe` (outlet.hand_over); and the engine's
+heartbeats (heartbeat.py), by which /health knows within a second that the engine's process is
+frozen or a rank is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_errors import EngineDead, ShuttingDown, check_room, decode_error
 from mlac.runtime.serve.engine_process import EngineProcess
+from mlac.runtime.serve.heartbeat import BEAT_DEADLINE_S
 from mlac.runtime.serve.metrics import Metrics, replay
 from mlac.runtime.serve.outlet import Outbox, Sink, hand_over
 
@@ -114,7 +117,8 @@ class EngineClient:
     EngineProcess.configure) at once: the child starts loading; `start` starts the reader
     thread, which loads the tokenizer meanwhile. An engine that dies after it loaded (its loop
     failed, or its process is gone) ends every request with EngineDead and refuses later ones, as
-    EngineLoop does: `failure` says why, `on_failure` is called on the reader thread."""
+    EngineLoop does: `failure` says why, `on_failure` is called on the reader thread. `trouble`
+    says what the last heartbeat reported, or that none came for BEAT_DEADLINE_S."""
 
     def __init__(
         self,
@@ -138,6 +142,8 @@ class EngineClient:
         self._refusing: MlacError | None = None
         self._stopping = False
         self._sinks: dict[int, Sink] = {}
+        self._beat = time.monotonic()  # when the last message (a heartbeat at least) came
+        self._beat_trouble: str | None = None  # what the last heartbeat said
         self._reader = threading.Thread(target=self._main, name="mlac-engine-client", daemon=True)
         process.configure(config, log_level, load)
 
@@ -153,6 +159,17 @@ class EngineClient:
     @property
     def num_unfinished(self) -> int:
         return self._unfinished
+
+    @property
+    def trouble(self) -> str | None:
+        """Once loaded and alive: a beat late by more than BEAT_DEADLINE_S (the engine's process is
+        frozen, or stuck), else what the last beat reported about the ranks; None: all is well."""
+        if not self.ready or self.failure is not None:
+            return None
+        late = time.monotonic() - self._beat
+        if late > BEAT_DEADLINE_S:
+            return f"the engine process has not answered for {late:.1f} s"
+        return self._beat_trouble
 
     def submit(self, requests: list[Request], sinks: list[Sink]) -> None:
         """Send requests to the engine (all or none); QueueFull past max_unfinished, ShuttingDown
@@ -203,9 +220,11 @@ class EngineClient:
             except (EOFError, OSError):
                 self._engine_gone()
                 return
-            kind = message[0]
+            kind, self._beat = message[0], time.monotonic()  # any message says the engine's process runs
             if kind == "step":
                 self._on_step(*message[1:])
+            elif kind == "beat":
+                self._beat_trouble = message[1]
             elif kind == "ready":
                 replay(self.metrics, message[2])
                 self.engine = FrontEngine(tokenizer, model, message[1])

@@ -1,8 +1,8 @@
 """The engine's one thread (EngineLoop): it loads the model, then runs scheduler steps.
 
 Other threads never touch the scheduler: they put ("add", seq, sink), ("cancel", seq_id),
-("fail", message) or ("stop",) into a queue.Queue, and the engine thread applies them between
-steps. Each Delta (or an exception) goes to the request's sink through the loop's Outlet
+("fail", message), ("die", why) or ("stop",) into a queue.Queue, and the engine thread applies them
+between steps. A heartbeat thread (heartbeat.py) watches the ranks meanwhile. Each Delta (or an exception) goes to the request's sink through the loop's Outlet
 (outlet.py): the engine thread collects what one step produced and sends it at once. In the
 server's process (AsyncioOutlet) that is ONE `call_soon_threadsafe` per event loop per step; in
 the engine's own process (engine_child.PipeOutlet) one message to the server process per step.
@@ -21,6 +21,7 @@ from typing import Any
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.sequence import Delta, Sequence
 from mlac.runtime.serve.engine_errors import EngineDead, ShuttingDown, check_room
+from mlac.runtime.serve.heartbeat import Heartbeat
 from mlac.runtime.serve.metrics import Metrics, MetricsRecorder
 from mlac.runtime.serve.outlet import AsyncioOutlet, Outlet
 from mlac.runtime.serve.stats import Gauges, StatsLog, log_arrival, log_finish
@@ -33,9 +34,13 @@ class EngineLoop:
     """The engine's one thread: loads the model, then runs scheduler steps. Other threads
     `submit` Sequences and `cancel` them through a thread-safe inbox; each Delta (or an
     exception, if a step fails) goes to the request's sink, called on the engine thread.
-    An exception that escapes the loop itself (a bug outside the step) kills the engine: every
-    request it holds ends with EngineDead, later ones are refused with it, `failure` says why and
-    `on_failure` is called (the launcher stops the server: launch.make_server).
+    One request's failure inside a step (Sequence.fail, its delta) ends that request alone.
+    An exception that escapes the loop itself (a bug outside the step), a step that stopped the
+    ranks, or a rank that exited (`die`, from the heartbeat) kills the engine: every request it
+    holds ends with EngineDead, later ones are refused with it, `failure` says why and
+    `on_failure` is called (the launcher stops the server: launch.make_server). `trouble` says,
+    every heartbeat, what is wrong with the ranks (None: nothing); `on_beat(trouble)` is called
+    with it (in the engine's own process: a message to the server's).
     It counts each request's outcome in `metrics` when the request ends, writes the stats line
     every `stats_interval` seconds while busy (None: never) and, with `log_requests`, a line per
     request at arrival and at its end (stats.py)."""
@@ -61,6 +66,8 @@ class EngineLoop:
         self.failure: EngineDead | None = None  # set when the engine died after it loaded
         self.on_failure: Callable[[], None] | None = None  # called on the engine thread, after the ends
         self.on_ready: Callable[[], None] | None = None
+        self.trouble: str | None = None  # a rank exited or is stopped (set by the heartbeat)
+        self.on_beat: Callable[[str | None], None] | None = None  # called on the heartbeat thread
         self._outlet: Outlet = outlet or AsyncioOutlet()
         self._inbox: queue.Queue = queue.Queue()
         self._ready = threading.Event()
@@ -71,11 +78,14 @@ class EngineLoop:
         self._last_token: dict[int, float] = {}
         self._queued: set[int] = set()  # added, never run yet (for the queue-time histogram)
         self._thread = threading.Thread(target=self._main, name="mlac-engine", daemon=True)
+        self._heartbeat = Heartbeat(self._beat)
+        self._dying = False  # die() was called (once)
 
     # ---- any thread ----
 
     def start(self) -> None:
         self._thread.start()
+        self._heartbeat.start()
 
     @property
     def ready(self) -> bool:
@@ -107,11 +117,32 @@ class EngineLoop:
                 self._refusing = ShuttingDown(message)
         self._inbox.put(("fail", message))
 
+    def die(self, why: str) -> None:
+        """Kill the engine (a rank exited): as if an exception with `why` escaped the loop."""
+        self._dying = True
+        self._inbox.put(("die", why))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is left, close the engine, end the thread."""
+        self._heartbeat.stop()
         self._inbox.put(("stop",))
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    # ---- the heartbeat thread ----
+
+    def _beat(self) -> None:
+        """What is wrong with the ranks (a multi-rank runner's `trouble`), told to `on_beat`; a
+        rank that exited kills the engine. Reads the runner, never the scheduler."""
+        runner = self.engine.runner if self.ready and self.failure is None else None
+        found = runner.trouble() if hasattr(runner, "trouble") else None
+        trouble, dead = found if found is not None else (None, False)
+        if dead and not self._dying:
+            log.error("%s: stopping the engine", trouble)
+            self.die(trouble)
+        self.trouble = trouble
+        if self.on_beat is not None:
+            self.on_beat(trouble)
 
     # ---- the engine thread ----
 
@@ -160,10 +191,13 @@ class EngineLoop:
 
     def _die(self, e: BaseException) -> None:
         """An exception escaped the loop: refuse new requests, end every one held (submitted ones
-        still in the inbox included) with EngineDead, close the engine, call `on_failure`. Touches
-        neither the scheduler nor the metrics (either may be what broke)."""
-        error = EngineDead(f"the engine failed: {type(e).__name__}: {e}")
-        log.error("%s", error, exc_info=e)  # a bug: its traceback goes to the log with it
+        still in the inbox included) with EngineDead, call `on_failure`, close the engine (which
+        may wait for the ranks). Touches neither the scheduler nor the metrics (either may be what
+        broke)."""
+        why = str(e) if isinstance(e, MlacError) else f"{type(e).__name__}: {e}"
+        error = EngineDead(f"the engine failed: {why}")
+        bug = not isinstance(e, MlacError)  # a bug: its traceback goes to the log with it
+        log.error("%s", error, exc_info=e if bug else None)
         with self._lock:
             self.failure = self._refusing = error
             sinks = [*self._sinks.values(), *(i[2] for i in _drain(self._inbox) if i[0] == "add")]
@@ -172,9 +206,9 @@ class EngineLoop:
             self._post(sink, error)
             self._outlet.end(sink)
         _log_failure(self._send, "sending the requests' errors")
-        _log_failure(self.engine.close, "closing the engine")
         if self.on_failure is not None:
             self.on_failure()
+        _log_failure(self.engine.close, "closing the engine")
 
     def _refuse_inbox(self) -> None:
         """At shutdown: requests submitted but never added get an error instead of silence."""
@@ -224,6 +258,8 @@ class EngineLoop:
         elif item[0] == "fail":
             for seq in self.scheduler.abort_all():
                 self._finish(seq, ShuttingDown(item[1]))
+        elif item[0] == "die":
+            raise MlacError(item[1])  # escapes the loop: _die
 
     def _step(self) -> None:
         s = self.scheduler
@@ -232,6 +268,8 @@ class EngineLoop:
         try:
             news = self.scheduler.step()
         except Exception as e:  # a failed step fails its requests, not the server
+            if getattr(self.engine.runner, "failed", None) is not None:
+                raise  # it stopped the ranks: no step runs again, the engine is dead (_die)
             log.exception("engine step failed")
             for seq in self.scheduler.abort_all():
                 self._finish(seq, MlacError(f"engine step failed: {e}"))
@@ -275,8 +313,20 @@ class EngineLoop:
             self._stats.write(now, self._gauges())
 
     def _deliver(self, seq: Sequence, now: float) -> int:
-        """Queue seq's new Delta for its sink; the number of new tokens."""
-        delta = seq.take_delta()
+        """Queue seq's new Delta for its sink; the number of new tokens. A sequence that failed
+        alone (Sequence.fail), or whose delta cannot be made, ends with its error (its request's
+        alone: the others of the step are delivered as usual)."""
+        sink = self._sinks.get(seq.seq_id)
+        if sink is None:  # ended already (failed while running: the scheduler aborts it now)
+            return 0
+        if seq.error is not None:
+            self._fail_one(seq, seq.error)
+            return 0
+        try:
+            delta = seq.take_delta()
+        except Exception as e:  # noqa: BLE001  (its detokenizer: this request's failure)
+            self._fail_one(seq, f"{type(e).__name__}: {e}")
+            return 0
         if delta.token_ids:
             prev = self._last_token.get(seq.seq_id)
             if prev is None:
@@ -284,12 +334,19 @@ class EngineLoop:
             else:
                 self.metrics.itl.observe((now - prev) / len(delta.token_ids))
             self._last_token[seq.seq_id] = now
-        sink = self._sinks.get(seq.seq_id)
-        if sink is not None and (delta.text or delta.token_ids or delta.finish_reason):
+        if delta.text or delta.token_ids or delta.finish_reason:
             self._post(sink, delta)
         if seq.finished:
             self._finish(seq, None)
         return len(delta.token_ids)
+
+    def _fail_one(self, seq: Sequence, why: str) -> None:
+        """End one request with an engine error (500) and take it out of the scheduler if it is
+        still there; the rest of the step goes on."""
+        log.error("request %d failed in the engine: %s", seq.seq_id, why)
+        if not seq.finished:
+            self.scheduler.abort(seq.seq_id)  # its blocks are freed at the next step
+        self._finish(seq, MlacError(f"the request failed in the engine: {why}"))
 
     def _first_token(self, seq: Sequence, now: float) -> None:
         """TTFT, and the prompt counted as processed (as vLLM counts it: at its first token)."""

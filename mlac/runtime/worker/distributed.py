@@ -116,6 +116,16 @@ class DistributedRunner:
         the same latents)."""
         return self._pools
 
+    @property
+    def failed(self) -> str | None:
+        """Why the ranks were stopped (a rank failed during a step): no step runs again."""
+        return self.group.failed
+
+    def trouble(self) -> tuple[str, bool] | None:
+        """(why, dead) for a rank on this node that exited (dead) or is stopped; None while all run
+        (RankGroup.trouble: any thread, without the ranks' cooperation)."""
+        return self.group.trouble()
+
     def spec_executor(self) -> SpecExecutor:
         """Rank 0's SpecExecutor, broadcasting each op so that every rank runs it."""
         return self.local.spec_executor(send=self._send_spec, fail=self.group.fail)
