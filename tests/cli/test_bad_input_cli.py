@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -164,4 +165,23 @@ def test_a_bad_json_schema_file_is_one_line_naming_the_flag(text, needle, artifa
                      "--json-schema", str(schema))  # fmt: skip
     last = assert_clean_error(result, needle, str(schema))
     assert "response_format" not in last
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("value, needle", [('{"temperature": -1}', "temperature=-1: must be >= 0"),
+                                           ('{"top_p": 0}', "top_p=0: must be in (0, 1]")])  # fmt: skip
+def test_a_generation_config_that_sampling_refuses_is_refused_at_start(
+    command, value, needle, artifact, tmp_path
+):
+    """Not a server that starts and then answers every request that leaves sampling out with a 400
+    about a field its client never sent: one line naming the file and the field, before serving."""
+    (tmp_path / "generation_config.json").write_text(value)
+    before = snapshot(tmp_path)
+    with socket.socket() as busy:  # were it not refused first, serve would stop at this busy port
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args = ["--prompt", "hi"] if command == "generate" else ["--port", str(busy.getsockname()[1])]
+        result = run_cli(command, str(artifact("tiny-v3")), "--generation-config", str(tmp_path), *args)
+    assert_clean_error(result, f"{tmp_path / 'generation_config.json'}: {needle}")
     assert snapshot(tmp_path) == before

@@ -4,6 +4,8 @@
 (DeepSeek ships temperature 0.6, top_p 0.95), `vllm` (and its alias `none`) uses mlac's own defaults,
 and any other value is a folder holding a generation_config.json. Only the sampling fields are read
 (temperature, top_p, top_k, min_p), as vLLM does; a field the file does not set keeps mlac's default.
+A value that SamplingParams refuses (temperature -1, top_p 0) is refused with the file's name when
+read: at start, not as a 400 to every request that leaves the field out.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from mlac.core.artifact import TOKENIZER_DIR
 from mlac.core.errors import MlacError
 from mlac.core.jsonio import load_json
+from mlac.runtime.engine.sampling import InvalidSamplingParams, SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
 OWN_DEFAULTS = ("vllm", "none")
@@ -46,7 +49,8 @@ def sampling_defaults(artifact: str | Path, mode: str = "auto") -> SamplingDefau
 
 
 def _from_file(file: Path) -> SamplingDefaults:
-    """The sampling fields of one generation_config.json; a value of the wrong type is an MlacError."""
+    """The sampling fields of one generation_config.json; a value of the wrong type, or one that
+    SamplingParams refuses, is an MlacError naming the file and the field."""
     data = load_json(file.read_bytes(), str(file))
     given = {}
     for f in fields(SamplingDefaults):
@@ -58,4 +62,9 @@ def _from_file(file: Path) -> SamplingDefaults:
         given[f.name] = int(value) if f.type == "int" else float(value)
     if "top_k" in given:
         given["top_k"] = max(0, given["top_k"])  # -1 (vLLM) and 0 both mean off
-    return replace(SamplingDefaults(), **given)
+    defaults = replace(SamplingDefaults(), **given)
+    try:
+        SamplingParams(**{f.name: getattr(defaults, f.name) for f in fields(SamplingDefaults)})
+    except InvalidSamplingParams as e:
+        raise MlacError(f"{file}: {e.param}={data[e.param]!r}: {str(e).split(': ', 1)[1]}") from None
+    return defaults

@@ -4,7 +4,9 @@ The drain: /health turns 503 and new requests are refused; uvicorn closes the li
 and waits for open connections. Running requests get `drain_timeout` seconds to finish; then
 `EngineLoop.fail_all` ends the rest with an error (a stream: an error event, then
 `data: [DONE]`), and uvicorn waits DRAIN_GRACE more seconds for those answers to go out before
-it cuts what is left.
+it cuts what is left. A Ctrl-C while draining (after SIGTERM or a first Ctrl-C) does not wait for
+the drain timeout: the requests end with their error at once, and the server exits once those
+answers went out, FORCE_GRACE seconds at most (another Ctrl-C: at once).
 
 An engine that fails (to load, or after it loaded: engine_errors.EngineDead) stops the server at
 once: the listening socket closes and uvicorn sends the answers in flight (each request already
@@ -29,7 +31,6 @@ import uvicorn
 from mlac.core.errors import MlacError
 from mlac.runtime.serve.app import ServerState, create_app
 from mlac.runtime.serve.config import ServerConfig
-from mlac.runtime.serve.engine_client import EngineClient
 from mlac.runtime.serve.engine_start import (  # noqa: F401  (load_engine, startup_line: re-exported)
     GIL_SWITCH_INTERVAL_S,
     load_engine,
@@ -37,10 +38,12 @@ from mlac.runtime.serve.engine_start import (  # noqa: F401  (load_engine, start
     record_startup,
     startup_line,
 )
+from mlac.runtime.serve.head_limit import HeadLimitedHttpTools
 
 log = logging.getLogger("mlac.server")
 
 DRAIN_GRACE = 5.0  # seconds after the drain timeout for the error answers to be written
+FORCE_GRACE = 2.0  # seconds after a Ctrl-C while draining for the error answers to be written
 
 
 def check_port(host: str, port: int) -> None:
@@ -59,13 +62,14 @@ def check_port(host: str, port: int) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's Server with mlac's drain (module docstring). SIGTERM / SIGINT start it;
-    a second Ctrl-C still forces the exit."""
+    """uvicorn's Server with mlac's drain (module docstring). SIGTERM / SIGINT start it; a Ctrl-C
+    while draining ends the requests at once and exits once their answers went out."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
         self._cut: threading.Timer | None = None
+        self._ending = False  # end_now was called
 
     def begin_drain(self) -> None:
         """Start draining (any thread, once); the caller then sets `should_exit`."""
@@ -81,8 +85,27 @@ class DrainingServer(uvicorn.Server):
         self._cut.start()
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGINT and self.state.draining:
+            if self._ending:
+                self.force_exit = True
+            else:
+                self.end_now()
+            return
         self.begin_drain()
         super().handle_exit(sig, frame)
+
+    def end_now(self) -> None:
+        """End every request with an error now (a stream: an error event, then [DONE]), and force
+        the exit FORCE_GRACE seconds later, if the connections have not closed by then. uvicorn's
+        own force exit would cut the streams and cancel their handlers, which log tracebacks."""
+        self._ending = True
+        if self._cut is not None:
+            self._cut.cancel()
+        log.info("ending %d running requests now", self.state.loop.num_unfinished)
+        self.state.loop.fail_all("server shutting down: interrupted (Ctrl-C) while draining")
+        force = threading.Timer(FORCE_GRACE, setattr, args=(self, "force_exit", True))
+        force.daemon = True
+        force.start()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         try:
@@ -107,6 +130,7 @@ def make_server(
     app = create_app(config, load, process, log_level)
     state: ServerState = app.state.mlac
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
+                               http=HeadLimitedHttpTools,
                                timeout_graceful_shutdown=config.drain_timeout + DRAIN_GRACE)  # fmt: skip
     server = DrainingServer(uv_config, state)
 
@@ -118,17 +142,19 @@ def make_server(
 
 
 def close_engine(state: ServerState) -> None:
-    """After the server ran (or failed to start): an engine process is stopped (idempotent)."""
-    if isinstance(state.loop, EngineClient):
-        state.loop.process.close()
+    """After the server ran (or failed to start): the engine is stopped (idempotent; uvicorn's
+    lifespan stops it, unless the exit was forced)."""
+    state.loop.stop()
 
 
 def serve(config: ServerConfig, log_level: str = "info", process: Any = None) -> None:
     """Run the server until SIGTERM / Ctrl-C (blocking). A model that fails to load is an MlacError.
     `process`: the engine's process, started early (engine_process.EngineProcess.start)."""
     from mlac.core.artifact import Manifest
+    from mlac.runtime.engine.generation_config import sampling_defaults
 
     Manifest.load(config.artifact)  # a bad artifact fails here, before the port is opened
+    sampling_defaults(config.artifact, config.generation_config)  # a bad --generation-config too
     check_port(config.host, config.port)  # and a busy port, before the model loads
     log_to_stderr(log_level)
     log.info(config.summary())
