@@ -190,3 +190,37 @@ def test_mlac_generate_takes_edge_parameters(artifact, flags):
                "--no-verify", *flags)  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "Traceback" not in r.output and "3 completion tokens, finish: length" in r.output
+
+
+def test_a_speculative_row_whose_acceptance_raises_fails_alone(artifact, monkeypatch):
+    """With MTP speculation, sampled rows are accepted on the host (rejection sampling): the
+    poisoned row's acceptance raises, the innocents' drafts are verified as alone."""
+    from mlac.runtime.engine.spec import decode
+
+    config = SchedulerConfig(speculative_num_steps=2)
+    eng = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler=config)
+    alone = [outputs(run_spec(eng, [req]))[0] for req in INNOCENTS]
+    accept = decode.accept_sampled
+
+    def poisoned(p, q, drafts, generator):
+        if generator is not None and generator.initial_seed() == POISON_SEED:
+            raise RuntimeError(BOOM)
+        return accept(p, q, drafts, generator)
+
+    monkeypatch.setattr(decode, "accept_sampled", poisoned)
+    *innocents, poison = run_spec(eng, [*INNOCENTS, POISON])
+    assert outputs(innocents) == alone
+    assert poison.finish_reason == "error" and poison.error == f"RuntimeError: {BOOM}"
+
+
+def run_spec(engine: Engine, reqs) -> list[Sequence]:
+    """`reqs` through the engine's own (speculative) scheduler; every block free at the end."""
+    sched = engine.scheduler()
+    seqs = [engine.new_sequence(p, sp) for p, sp in reqs]
+    for s in seqs:
+        sched.add(s)
+    while sched.has_unfinished:
+        sched.step()
+        sched.check_blocks()
+    assert sched.check_blocks()["in_use"] == 0
+    return seqs

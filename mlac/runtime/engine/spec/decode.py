@@ -244,13 +244,17 @@ class SpecDecoder:
             start, (a, b) = s.num_computed, where[j]
             if s.seq_id in drafts:
                 mine = logits[a:b] if logits is not None else None
-                emitted = self._verify(sched, s, mine, top[a:b], *drafts[s.seq_id])
+                try:
+                    emitted = self._verify(sched, s, mine, top[a:b], *drafts[s.seq_id])
+                except Exception as e:  # noqa: BLE001  (its acceptance: this request fails alone)
+                    s.fail(e)
+                    emitted = 0
             else:
                 s.num_computed += n
                 emitted = b - a
                 if emitted:
                     sample_one(sched, s, logits[a:b])
-            if emitted:
+            if emitted or s.error is not None:
                 news.append(s)
             if s.finished:
                 sched._release(s)
