@@ -32,6 +32,9 @@ to no text, and a chunk is sent only for new text otherwise). The requests are s
 second). Server-side counters from /metrics (generated tokens, preemptions) and the busiest
 client process's CPU use are recorded per phase: a client near 1.0 CPU is measuring itself.
 
+The artifact may be an oci:// reference: the server then pulls it inside its start-up (the
+`startup` phase includes the pull; the server's log line gives its GB/s).
+
 The server always stops at the end (SIGTERM: it drains and stops its ranks; SIGKILL to its
 process group after 15 s), also on an error or a SIGTERM to this script; `--pgid-file` names the
 group for a caller that has to SIGKILL this script. The server log's tail goes into the JSON.
@@ -113,11 +116,20 @@ def environment(device: str) -> dict:
     }
 
 
-def artifact_info(path: Path) -> dict:
+def artifact_info(path: str) -> dict:
+    """The artifact's shape, from its folder, or (oci://...) from the registry's copy of its manifest
+    (no weight is downloaded: the server pulls them, inside its start-up)."""
     from mlac.core.artifact import Manifest
 
-    m = Manifest.load(path)
-    return {"path": str(path), "tp": m.plan.tp, "ep": m.plan.ep, "fp8": m.options.fp8,
+    if path.startswith("oci://"):
+        from mlac.ship.pull import resolve
+        from mlac.ship.reference import parse
+        from mlac.ship.registry import Registry
+
+        m = resolve(Registry(parse(path))).manifest  # plain HTTP: MLAC_INSECURE_REGISTRIES
+    else:
+        m = Manifest.load(path)
+    return {"path": path, "tp": m.plan.tp, "ep": m.plan.ep, "fp8": m.options.fp8,
             "kv_cache_dtype": m.options.kv_cache_dtype, "bytes": sum(f.size for f in m.files),
             "layers": m.model.num_hidden_layers, "routed_experts": m.model.n_routed_experts,
             "vocab_size": m.model.vocab_size}  # fmt: skip
@@ -557,7 +569,7 @@ def benchmark(args, rec: Record, server: ServerProcess, clients: Clients, budget
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("artifact", type=Path)
+    ap.add_argument("artifact", help="an artifact folder, or oci://HOST/REPO:TAG (the server pulls it)")
     ap.add_argument("--json", type=Path, required=True, help="result file (rewritten after every phase)")
     ap.add_argument("--log", type=Path, default=None, help="server log (default: JSON path with .log)")
     ap.add_argument("--device", default="cuda")
