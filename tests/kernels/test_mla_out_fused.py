@@ -1,5 +1,5 @@
 """The fused MLA decode output: head_bmm merging mla_decode's split-KV partials in its x load, and
-quantizing its output for an FP8 o_proj (issue #11), against the separate launches it replaces.
+quantizing its output for an FP8 o_proj, against the separate launches it replaces.
 
 The fused kernels must give the same bits as split + merge kernel + head_bmm (+ act_quant): the
 merge runs the merge kernel's own Triton helpers and the quantization `quant_groups`, so these

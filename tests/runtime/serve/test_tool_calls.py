@@ -1,4 +1,4 @@
-"""Tool calling (issue 16 part 2): the DeepSeek-V3 tool-call parser alone over every way of cutting
+"""Tool calling: the DeepSeek-V3 tool-call parser alone over every way of cutting
 the same text into deltas; tool_choice and its Lark grammar, checked with llguidance over a
 tokenizer with DeepSeek's tool tokens; and a round trip (call, result, answer) through the server
 with the official openai client, streaming and not, the engine's text replaced by a scripted one."""

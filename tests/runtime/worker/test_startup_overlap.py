@@ -1,4 +1,4 @@
-"""Start-up with the load overlapped (issue 12): the weights stream in while the model is built and
+"""Start-up with the load overlapped: the weights stream in while the model is built and
 its CUDA graphs are captured (loader.start_load, runner.build_runner). The overlapped load gives
 the tensors of the plain load, bit for bit, at addresses fixed before any byte is read; the model
 keeps those tensors (it computes nothing from them); a modified file is still one error and
