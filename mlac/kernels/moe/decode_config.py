@@ -9,9 +9,9 @@ paths (fused.py asks it first); `MoeDecodeConfig` holds the tiles and the form o
 
 Launches per MoE layer: 2 (GEMM1, GEMM2 + sum: FP8) or 3 (GEMM1, GEMM2, reduce.py's reduce: bf16), shared
 experts included (shared.py), against the grouped path's 5 ([act_quant], moe_align, GEMM1, GEMM2,
-reduce) plus the shared MLP's 3. Switches, read at import, for A/B runs: MLAC_MOE_DECODE_KERNEL=0 sends
-every shape to the grouped path; MLAC_MOE_DECODE_CONFIG replaces the tiles `pick_moe_decode_config`
-picks (see `config_override`); MLAC_MOE_SHARED_FUSED is shared.py's.
+reduce) plus the shared MLP's 3. MLAC_MOE_DECODE_CONFIG replaces the tiles `pick_moe_decode_config`
+picks (`config_override`: a sweep's result run without a code change). A caller that wants the grouped
+path at a decode shape gives fused_moe a grouped config (grouped.pick_moe_config).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ MAX_PAIRS = 256  # token-expert pairs a decode launch takes
 # The PAIRS constexpr (ids each program scans) takes two values, so that the variants a server
 # compiles stay few (`Engine.warmup` meets both): one warp's worth at batch 1-5, else MAX_PAIRS.
 SMALL_PAIRS = 32
-# A/B switch, read once: MLAC_MOE_DECODE_KERNEL=0 sends decode shapes to the grouped GEMMs (grouped.py).
-ENABLED = os.environ.get("MLAC_MOE_DECODE_KERNEL", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -57,11 +55,10 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     """The decode kernel's tiles, or None where the grouped GEMMs (grouped.py) should run: measured on
     an H200 (benchmarks/bench_moe_decode.py), the decode kernel wins for one token's top-k pairs only
     (at most ONE_TOKEN_PAIRS), so batch-1 decode steps take it and everything larger the grouped
-    path. Off when MLAC_MOE_DECODE_KERNEL=0. `fuse_sum`: GEMM2 runs per token and sums the top-k in
-    its launch (one launch fewer)."""
-    if not ENABLED or num_pairs > ONE_TOKEN_PAIRS or num_pairs > num_experts:
+    path. `fuse_sum`: GEMM2 runs per token and sums the top-k in its launch (one launch fewer)."""
+    if num_pairs > ONE_TOKEN_PAIRS or num_pairs > num_experts:
         return None
-    # one token's top-k (benchmarks/results/moe_decode_h200.json, V2-Lite shapes, 20 calls in a
+    # one token's top-k (benchmarks/results/kernels_moe_decode_h200.json, V2-Lite shapes, 20 calls in a
     # CUDA graph): FP8 31.5 us against the grouped path's 37.5, bf16 33.3 against 38.1. From 4 tokens
     # on the grouped GEMMs won every measured shape (FP8 66.5 against 101.7 us at 4 tokens).
     # The tiles: the fastest of the sweep with the shared experts inside (benchmarks/run_moe_sweep_h200.sh,
