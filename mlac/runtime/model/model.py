@@ -224,7 +224,7 @@ class MoE(nn.Module):
         """x [T, D], or its Fp8Act carrying x (Reads.FP8_AND_X)."""
         x, x_act = (x.x, x) if isinstance(x, Fp8Act) else (x, None)
         # Router logits [T, E] in float32 (the gate is float32: loader.ROUTER), then routing: one
-        # launch at decode (router_gemv; MLAC_ROUTER_KERNEL=0: F.linear, then route).
+        # launch at decode up to 4 tokens (router_gemv.router_plan), else F.linear, then route.
         weights, ids = gate_and_route(x, self.gate, self.routing, self.gate_bias)  # [T, top_k] each
         if self.first_expert:
             ids = ids - self.first_expert  # ids of other ranks' experts fall outside [0, E_local)
