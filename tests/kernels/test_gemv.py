@@ -227,8 +227,8 @@ def spy(monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("fp8", [False, True])
-def test_linear_picks_skinny_up_to_16_rows(spy, monkeypatch, fp8):
-    monkeypatch.setenv("MLAC_FORCE_TRITON", "1")  # the Triton path on CPU tensors (interpreter)
+def test_linear_picks_skinny_up_to_16_rows(spy, monkeypatch, fp8, setting):
+    setting("MLAC_FORCE_TRITON", "1")  # the Triton path on CPU tensors (interpreter)
     _tuned_fp8(monkeypatch, 96, 256, 16)
     lin = _linear(fp8)
     x16 = _x(16, 256, torch.bfloat16, seed=2).view(2, 8, 256)
@@ -243,10 +243,10 @@ def test_linear_picks_skinny_up_to_16_rows(spy, monkeypatch, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_linear_keeps_reference_on_cpu_and_where_declined(spy, monkeypatch, fp8):
+def test_linear_keeps_reference_on_cpu_and_where_declined(spy, monkeypatch, fp8, setting):
     """CPU tensors take F.linear / the FP8 reference; on the device, a shape the table declines
     (bf16: TUNED None; FP8: no config) keeps cuBLAS / fp8_gemm."""
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+    setting("MLAC_FORCE_TRITON", None)
     lin, x = _linear(fp8), _x(1, 256, torch.bfloat16, seed=4).cpu()
     if DEV == "cpu":
         lin(x)

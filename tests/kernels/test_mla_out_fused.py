@@ -144,7 +144,7 @@ def test_reference_path_merges_and_quantizes():
 
 
 @pytest.mark.parametrize("fp8_wo", [False, True])
-def test_decode_absorbed_fused_equals_separate_launches(triton_device, monkeypatch, fp8_wo):
+def test_decode_absorbed_fused_equals_separate_launches(triton_device, monkeypatch, fp8_wo, setting):
     """decode_absorbed's fuse_out on against off (ModelOptions.fused_mla_out): on launches no
     merge kernel, and gives the same o (or o_proj's Fp8Act of it) within bf16 tolerance: the two
     paths tile head_bmm's N differently (128 against 64), which may change the dot's summation
@@ -156,7 +156,7 @@ def test_decode_absorbed_fused_equals_separate_launches(triton_device, monkeypat
     g = torch.Generator().manual_seed(9)
     w_kc = (torch.randn(3, 32, 64, generator=g) / 32**0.5).bfloat16().to(triton_device)
     q_nope = torch.randn(len(LENS), 3, 32, generator=g).bfloat16().to(triton_device)
-    monkeypatch.setenv("MLAC_FORCE_TRITON", "1")
+    setting("MLAC_FORCE_TRITON", "1")
 
     def run(fuse_out: bool = True):
         return attention_forms.decode_absorbed(

@@ -303,13 +303,13 @@ def test_gpu_decode_in_cuda_graph(fp8, t):
         assert torch.equal(out, call())
 
 
-def test_config_override_replaces_the_picked_tiles(monkeypatch):
+def test_config_override_replaces_the_picked_tiles(setting):
     """MLAC_MOE_DECODE_CONFIG (JSON per weight kind) replaces the tiles of that kind only; anything
     else (not JSON, an unknown kind or field) is a one-line MlacError naming the variable."""
     from mlac.core.errors import MlacError
 
-    monkeypatch.setattr(
-        config_mod, "CONFIG_TEXT", '{"fp8": {"block_n1": 64, "block_n2": 16, "dot": true, "fuse_sum": true}}'
+    setting(
+        "MLAC_MOE_DECODE_CONFIG", '{"fp8": {"block_n1": 64, "block_n2": 16, "dot": true, "fuse_sum": true}}'
     )
     picked = config_mod.pick_moe_decode_config(6, 64, fp8=True)
     assert picked == config_mod.MoeDecodeConfig(64, 16, dot=True, fuse_sum=True)
