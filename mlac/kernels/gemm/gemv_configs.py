@@ -39,10 +39,10 @@ class SkinnyConfig:
 # Measured configs, keyed by (kind, N, K, m_class): kind "bf16" (also fp16) or "fp8", m_class
 # from M_CLASSES; None where the path the skinny GEMM replaces (cuBLAS, fp8_gemm) measured faster
 # (skinny_applies then declines). bf16 shapes not here use default_config. From
-# benchmarks/bench_gemv.py on one H200 (benchmarks/results/gemv_h200.json): a config is kept where it
-# beat the baseline by >= 3% summed over the class's M; the comment gives the mean time per call,
-# skinny vs baseline (bf16 in the V2-Lite decode step: 328.0 against 314.9 tok/s at batch 1 with it
-# on, H200). FP8: None throughout, and an FP8 shape not here does not take it either
+# benchmarks/kernels/gemv.py on one H200 (benchmarks/results/kernels_gemv_h200.json): a config is
+# kept where it beat the baseline by >= 3% summed over the class's M; the comment gives the mean time
+# per call, skinny vs baseline (bf16 in the V2-Lite decode step: 328.0 against 314.9 tok/s at batch
+# 1 with it on, H200). FP8: None throughout, and an FP8 shape not here does not take it either
 # (skinny_applies). Alone the skinny GEMM won most FP8 shapes by 3-20%, but inside the V2-Lite decode
 # step fp8_gemm on the norm's Fp8Act was faster (batch 1: 330.7 against 317.3 tok/s, batch 32 equal),
 # and with the fused launches since, equal (every FP8 shape through it: 365.5 / 4,528 against

@@ -54,7 +54,7 @@ ONE_TOKEN_PAIRS = 8  # the decode kernel runs one token's top-k pairs (top-k <= 
 
 def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDecodeConfig | None:
     """The decode kernel's tiles, or None where the grouped GEMMs (grouped.py) should run: measured on
-    an H200 (benchmarks/bench_moe_decode.py), the decode kernel wins for one token's top-k pairs only
+    an H200 (benchmarks/kernels/moe_decode.py), the decode kernel wins for one token's top-k pairs only
     (at most ONE_TOKEN_PAIRS), so batch-1 decode steps take it and everything larger the grouped
     path. `fuse_sum`: GEMM2 runs per token and sums the top-k in its launch (one launch fewer)."""
     if num_pairs > ONE_TOKEN_PAIRS or num_pairs > num_experts:
@@ -62,10 +62,10 @@ def pick_moe_decode_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeDe
     # one token's top-k (benchmarks/results/kernels_moe_decode_h200.json, V2-Lite shapes, 20 calls in a
     # CUDA graph): FP8 31.5 us against the grouped path's 37.5, bf16 33.3 against 38.1. From 4 tokens
     # on the grouped GEMMs won every measured shape (FP8 66.5 against 101.7 us at 4 tokens).
-    # The tiles: the fastest of the sweep with the shared experts inside (benchmarks/run_moe_sweep_h200.sh,
-    # results/moe_sweep_h200/): FP8 on tensor cores 32.0 us (51% of copy bandwidth) against 41.8 for the
-    # CUDA-core tiles before, and in the decode step 375.7 -> 414.1 tok/s at batch 1; bf16 42.9 against
-    # 44.4 us, 388.3 -> 393.3 tok/s.
+    # The tiles: the fastest of the sweep with the shared experts inside (benchmarks/kernels/moe_tune.sh,
+    # results/kernels_moe_shared_h200.json): FP8 on tensor cores 32.0 us (51% of copy bandwidth)
+    # against 41.8 for the CUDA-core tiles before, and in the decode step 375.7 -> 414.1 tok/s at
+    # batch 1; bf16 42.9 against 44.4 us, 388.3 -> 393.3 tok/s.
     override = config_override(settings.MOE_DECODE_CONFIG.get())
     if fp8:
         return override.get("fp8") or MoeDecodeConfig(

@@ -65,9 +65,9 @@ def shared_chunks(shared: SharedExperts | None, w13: torch.Tensor, w13_scale: to
 
 def shared_widens_sum(top_k: int, n_shared: int) -> bool:
     """Whether n shared chunks widen the fused sum's slot tile (KPAD: top_k + n rounded up to a power
-    of two). Then the shared experts run apart: on an H200 (benchmarks/bench_moe_shared.py) a V3 slice
-    (top-8 + 1 shared, FP8) took 270.1 us with them inside (8 -> 16 slots) against 217.7 us apart, where
-    V2-Lite (top-6 + 2: 8 slots either way) took 41.8 against 56.5."""
+    of two). Then the shared experts run apart: on an H200 (benchmarks/kernels/moe_decode.py
+    --shared) a V3 slice (top-8 + 1 shared, FP8) took 270.1 us with them inside (8 -> 16 slots)
+    against 217.7 us apart, where V2-Lite (top-6 + 2: 8 slots either way) took 41.8 against 56.5."""
     return (top_k + n_shared - 1).bit_length() > (top_k - 1).bit_length()  # next powers of two differ
 
 
