@@ -30,6 +30,33 @@ for _folder in sorted(p for p in Path(__file__).parent.rglob("*") if p.is_dir() 
 TINY_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3")
 
 
+@pytest.fixture(autouse=True)
+def _settings_read_afresh():
+    """Each test reads mlac's settings (mlac/settings.py, read once per process) from the
+    environment as it finds it, not as an earlier test left it."""
+    from mlac import settings
+
+    settings.reload()
+    yield
+    settings.reload()
+
+
+@pytest.fixture
+def setting(monkeypatch):
+    """setting(name, value): the environment variable set for this test (None: unset), and mlac's
+    settings read again from it."""
+    from mlac import settings
+
+    def put(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        settings.reload()
+
+    return put
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(preset) -> path of a synthetic HF checkpoint (seed 0), cached for the session."""

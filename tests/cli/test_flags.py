@@ -30,20 +30,24 @@ def test_every_flag_sets_a_field_of_the_options_chain():
     names = field_names(ServerConfig)
     assert [f.param for f in flags.BY_PARAM.values() if f.field is not None and f.field not in names] == []
     assert len(flags.BY_PARAM) == len(
-        flags.RUNTIME_FLAGS + flags.SCHEDULER_FLAGS + flags.ENGINE_FLAGS + flags.SERVER_FLAGS + flags.SOURCE_FLAGS
+        flags.RUNTIME_FLAGS
+        + flags.SCHEDULER_FLAGS
+        + flags.ENGINE_FLAGS
+        + flags.SERVER_FLAGS
+        + flags.SOURCE_FLAGS
     )  # one flag per parameter name
 
 
-def test_serve_flag_defaults_are_the_server_config_defaults(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLAC_API_KEY", raising=False)
+def test_serve_flag_defaults_are_the_server_config_defaults(tmp_path, setting):
+    setting("MLAC_API_KEY", None)
     given = parsed_flags(serve, [str(tmp_path)])
     assert set(given) == set(flags.BY_PARAM)  # serve takes every flag of the table
     config = ServerConfig.of(artifact=tmp_path, **flags.option_fields(given))
     assert config == ServerConfig.of(artifact=tmp_path, device=check_device(None))
 
 
-def test_flags_convert_to_their_fields(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLAC_API_KEY", "from-env")
+def test_flags_convert_to_their_fields(tmp_path, setting):
+    setting("MLAC_API_KEY", "from-env")
     args = [str(tmp_path), "--no-verify", "--require-prepared", "--disable-overlap-schedule",
             "--disable-radix-cache", "--speculative-algorithm", "mtp", "--disable-log-stats", "--device", "cpu",
             "--dtype", "float32", "--max-running-requests", "8", "--mem-fraction-static", "0.5"]  # fmt: skip

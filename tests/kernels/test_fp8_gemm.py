@@ -87,8 +87,8 @@ def test_fp8_linear_leading_dims_and_float32_input():
     _util.assert_close(out, gemm_mod.fp8_linear_ref(x, w, s, torch.bfloat16))
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_cpu_dispatch_runs_reference(monkeypatch, setting):
+    setting("MLAC_FORCE_TRITON", None)
 
     def no_triton(*args, **kwargs):
         raise AssertionError("fp8_linear picked Triton for CPU tensors")

@@ -118,8 +118,8 @@ def test_strided_views_and_fp16():
     _util.assert_close(_run(x, q, s, config=SMALL), hb.head_bmm_ref(x, q, s))
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_cpu_dispatch_runs_reference(monkeypatch, setting):
+    setting("MLAC_FORCE_TRITON", None)
 
     def no_triton(*args, **kwargs):
         raise AssertionError("head_bmm picked Triton for CPU tensors")

@@ -187,8 +187,8 @@ def test_fused_moe_split_k_auto_at_decode():
     _util.assert_close(_run(x, w13, w2, weights, ids, s13, s2, cfg), ref)
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_cpu_dispatch_runs_reference(monkeypatch, setting):
+    setting("MLAC_FORCE_TRITON", None)
 
     def no_triton(*args, **kwargs):
         raise AssertionError("fused_moe picked Triton for CPU tensors")

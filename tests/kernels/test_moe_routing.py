@@ -153,8 +153,8 @@ def test_spec_from_config_and_its_weight_rule():
     assert (greedy.grouped, greedy.group_size, greedy.weight_rule) == (False, 72, (True, 1.0))
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_cpu_dispatch_runs_reference(monkeypatch, setting):
+    setting("MLAC_FORCE_TRITON", None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def no_triton(*args, **kwargs):

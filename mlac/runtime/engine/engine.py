@@ -40,7 +40,7 @@ from mlac.runtime.engine.sequence import Sequence as Seq
 from mlac.runtime.engine.spec.decode import check_spec
 from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.kvcache.shared_prefix import step_sums
-from mlac.runtime.model.attention import ABSORBED_MAX_Q_LEN, SHARED_PREFIX, prefer_shared
+from mlac.runtime.model.attention import ABSORBED_MAX_Q_LEN, prefer_shared
 from mlac.runtime.model.layers import Linear, Weights
 from mlac.runtime.model.model import DeepseekModel, MoE
 from mlac.runtime.model.parallel import ParallelLMHead
@@ -125,7 +125,9 @@ class Engine:
         rt = options.runtime
         # the one check of a valid artifact (core/validity.py; the bytes are hashed as each rank reads
         # them), and its signature when required: before anything loads
-        checked = check_artifact(path, hashes=False, identity_required=rt.verify, public_key=rt.require_signature)
+        checked = check_artifact(
+            path, hashes=False, identity_required=rt.verify, public_key=rt.require_signature
+        )
         manifest = checked.manifest
         use_kernel_cache(checked, rt.device, rt.kernel_cache, rt.verify, public_key=rt.require_signature)
         spec = options.scheduler.speculative_num_steps
@@ -260,14 +262,15 @@ class Engine:
         return ran + self._warm_shared_prefix()
 
     def _warm_shared_prefix(self) -> list[tuple[int, int]]:
-        """The shared-prefix extend's kernel (attention_forms.extend_shared): a prompt cached, then,
+        """The shared-prefix extend's kernel (attention.extend_shared): a prompt cached, then,
         in one step, sequences after it with tails of their own and one sequence that shares
         nothing. The prefix is doubled from two blocks until prefer_shared takes the cascade for that
         step, and the step has more rows than the CUDA graphs take (a step of at most their largest
         bucket replays a graph instead). Returns [(sequences, tokens of the longest)], empty
-        without the prefix cache or the cascade, or when no such step fits."""
+        without the prefix cache or the cascade (ModelOptions.shared_prefix), or when no such step
+        fits."""
         limits, alloc, vocab = self.scheduler_config, self.pool.allocator, self.config.vocab_size
-        if not (limits.prefix_cache and SHARED_PREFIX):
+        if not (limits.prefix_cache and self.runner.model.options.shared_prefix):
             return []
         attn = self.runner.model.layers[0].attn
         graphs, tail = self.runner.graphs, ABSORBED_MAX_Q_LEN

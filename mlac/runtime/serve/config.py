@@ -3,10 +3,10 @@ options chain (ServerConfig ⊃ EngineOptions ⊃ RuntimeOptions, SchedulerConfi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlac import settings
 from mlac.core.errors import MlacError
 from mlac.core.options import Options
 from mlac.runtime.engine.options import EngineOptions
@@ -82,4 +82,5 @@ class ServerConfig(Options):
 
 
 def api_key_from_env(given: str | None) -> str | None:
-    return given if given is not None else (os.environ.get("MLAC_API_KEY") or None)
+    """--api-key as given, else the setting MLAC_API_KEY (None when neither)."""
+    return given if given is not None else settings.API_KEY.get()

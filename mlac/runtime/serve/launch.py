@@ -26,6 +26,7 @@ from typing import Any
 
 import uvicorn
 
+from mlac import settings
 from mlac.core.errors import MlacError
 from mlac.runtime.serve.app import ServerState, create_app
 from mlac.runtime.serve.config import ServerConfig
@@ -132,6 +133,8 @@ def serve(config: ServerConfig, log_level: str = "info", process: Any = None) ->
     check_port(config.host, config.port)  # and a busy port, before the model loads
     log_to_stderr(log_level)
     log.info(config.summary())
+    if (changed := settings.summary()) is not None:  # the MLAC_* settings not at their default, masked
+        log.info(changed)
     # The engine thread and the event loop share the GIL (in thread mode). With Python's default 5 ms switch
     # interval the engine thread, back from a GPU step, may wait that long for the loop to let go;
     # at 0.2 ms it launches the next step almost at once. Measured on one H200 (V2-Lite bf16, HTTP):
