@@ -30,6 +30,17 @@ for _folder in sorted(p for p in Path(__file__).parent.rglob("*") if p.is_dir() 
 TINY_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The one way a test says it needs GPUs: `@pytest.mark.gpu` (one device) or
+    `@pytest.mark.gpu(2)` (that many). Without them it is skipped, saying what it needs."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        need = (marker.args[0] if marker.args else 1) if marker else 0
+        if need > have:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device{'s' if need > 1 else ''}"))
+
+
 @pytest.fixture(autouse=True)
 def _settings_read_afresh():
     """Each test reads mlac's settings (mlac/settings.py, read once per process) from the

@@ -14,7 +14,6 @@ import torch
 from tests.kernels import _util
 
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
 # the kernels interpreted when there is no CUDA (reloaded if a module imported them compiled)
@@ -222,7 +221,6 @@ def test_a_grouped_config_runs_the_grouped_gemms_at_a_decode_shape(monkeypatch):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("t", [1, 4, 32])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_decode_v2_lite(fp8, t, monkeypatch):
@@ -247,7 +245,6 @@ def test_gpu_decode_v2_lite(fp8, t, monkeypatch):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("fuse_sum", [False, True], ids=["reduce", "fused-sum"])
 def test_gpu_decode_fp8_act_v2_lite(fuse_sum, monkeypatch):
     """V2-Lite FP8 at batch 4 with the activation quantized by its producer, both GEMM2 forms."""
@@ -274,7 +271,6 @@ def _fp8_act_linear_ref64(x_act, w, w_scale, out_dtype=None):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("t", [1, 32])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_decode_in_cuda_graph(fp8, t):

@@ -16,7 +16,6 @@ except ImportError:  # tests/ is not a package: pytest put this folder on sys.pa
     import _util
 
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
 _mods = _util.kernel_modules()
@@ -214,7 +213,6 @@ GPU_CASES = [  # name, E, top_k, D, I, fp8
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("t", [1, 64, 300, 2048])
 @pytest.mark.parametrize("name,e,top_k,d,i,fp8", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_fused_moe_real_shapes(name, e, top_k, d, i, fp8, t, monkeypatch):

@@ -182,7 +182,6 @@ def test_pdl_compiles_a_variant_of_its_own(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v3", True)])
 def test_graphs_with_pdl_give_the_logits_of_graphs_without(artifact, preset, fp8, monkeypatch, fresh_switch):
     """PDL changes when kernels start, never what they compute: the same decode steps replayed from

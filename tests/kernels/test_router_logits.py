@@ -34,7 +34,6 @@ from _paths import REPO
 from tests.kernels import _util
 
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 LOGIT_TOL = 4e-6
 WEIGHT_RTOL = 1e-6
@@ -234,7 +233,6 @@ V3 = routing.RoutingSpec(
 )  # fmt: skip
 
 
-@needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 4, 16])
 @pytest.mark.parametrize("d,spec", [(2048, V2_LITE), (7168, V3)], ids=["v2_lite", "v3"])
@@ -249,7 +247,6 @@ def test_gpu_real_shapes(t, d, spec):
     _assert_routing(weights, ids, ref_w, ref_ids)
 
 
-@needs_cuda
 @pytest.mark.gpu
 def test_gpu_graph_replay_keeps_the_counter_at_zero():
     x, gate = _case(2, 64, 2048, seed=5)

@@ -156,7 +156,6 @@ def test_warmup_step_is_larger_than_the_graphs_take(artifact, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cascade_on_the_gpu():
     """Triton kernels, bf16, DeepSeek's head dims: 8 sequences of 64 new tokens after a shared
     1,024-token prefix (and 16 more cached tokens of their own), against the plain extend."""

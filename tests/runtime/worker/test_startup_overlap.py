@@ -170,7 +170,6 @@ def test_the_overlap_is_the_default_and_a_field():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v3", True)])
 def test_cuda_graphs_captured_while_loading_give_the_tokens_of_a_plain_start(artifact, preset, fp8):
     """The graphs captured while the weights stream in replay on the loaded weights: the same
