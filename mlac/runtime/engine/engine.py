@@ -33,6 +33,8 @@ from mlac.kernels.gemm.gemv_configs import DENSE_DTYPES
 from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
 from mlac.runtime.engine.constrain import Grammars
 from mlac.runtime.engine.options import EngineOptions
+from mlac.runtime.engine.penalties import Penalties, check_logit_bias
+from mlac.runtime.engine.prompt_logprobs import check_prompt_logprobs
 from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from mlac.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from mlac.runtime.engine.sequence import Delta, FinishReason
@@ -328,16 +330,20 @@ class Engine:
         return [int(t) for t in prompt]
 
     def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Seq:
-        """A validated request for a Scheduler (prompt in range, stop strings need a tokenizer, a
-        grammar compiles: constrain.InvalidGrammar, whose `param` names response_format)."""
+        """A validated request for a Scheduler (prompt in range, stop strings need a tokenizer,
+        logit_bias in the vocabulary, no prompt_logprobs under speculative decoding, a grammar
+        compiles: constrain.InvalidGrammar, whose `param` names response_format)."""
         ids = self.encode_prompt(prompt)
         self._check_prompt(ids)
         if params.stop and self.tokenizer is None:
             raise MlacError("stop strings need a tokenizer; this engine has none")
         detok = self.tokenizer.detokenizer(ids) if self.tokenizer is not None else None
+        check_logit_bias(params, self.config.vocab_size)
+        check_prompt_logprobs(params, self.scheduler_config.speculative_num_steps)
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         generator = make_generator(params.seed, self.device)
-        return Seq(next(self._seq_ids), ids, params, generator, detok, matcher)
+        penalties = Penalties.of(params, ids, self.config.eos_token_ids)
+        return Seq(next(self._seq_ids), ids, params, generator, detok, matcher, penalties=penalties)
 
     def scheduler(self, config: SchedulerConfig | None = None) -> Scheduler:
         """A fresh continuous-batching scheduler over this engine's runner and cache."""
