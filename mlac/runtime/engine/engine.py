@@ -329,10 +329,11 @@ class Engine:
             return [int(t) for t in prompt.tolist()]
         return [int(t) for t in prompt]
 
-    def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Seq:
+    def new_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Seq:
         """A validated request for a Scheduler (prompt in range, stop strings need a tokenizer,
         logit_bias in the vocabulary, no prompt_logprobs under speculative decoding, a grammar
-        compiles: constrain.InvalidGrammar, whose `param` names response_format)."""
+        compiles: constrain.InvalidGrammar, whose `param` names response_format). `request_id`: the
+        server's name of the request (its log lines)."""
         ids = self.encode_prompt(prompt)
         self._check_prompt(ids)
         if params.stop and self.tokenizer is None:
@@ -343,7 +344,8 @@ class Engine:
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         generator = make_generator(params.seed, self.device)
         penalties = Penalties.of(params, ids, self.config.eos_token_ids)
-        return Seq(next(self._seq_ids), ids, params, generator, detok, matcher, penalties=penalties)
+        return Seq(next(self._seq_ids), ids, params, generator, detok, matcher, penalties=penalties,
+                   request_id=request_id)  # fmt: skip
 
     def scheduler(self, config: SchedulerConfig | None = None) -> Scheduler:
         """A fresh continuous-batching scheduler over this engine's runner and cache."""

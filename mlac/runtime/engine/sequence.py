@@ -62,6 +62,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     prefix: Node | None = None  # its matched prefix-cache node while it holds blocks
     dp_rank: int = 0  # DP attention: the rank whose KV cache holds its blocks (Scheduler.pools)
+    request_id: str | None = None  # the server's name of it (X-Request-Id), for its log lines
     first_token_time: float | None = None
     last_token_time: float | None = None
     _sent_tokens: int = 0

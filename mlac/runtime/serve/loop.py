@@ -93,7 +93,7 @@ class EngineLoop:
             self._unfinished += len(seqs)
             for seq, sink in zip(seqs, sinks, strict=True):
                 if self.log_requests:
-                    log_arrival(seq.seq_id, len(seq.prompt_ids), seq.params)
+                    log_arrival(seq.request_id or seq.seq_id, len(seq.prompt_ids), seq.params)
                 self._inbox.put(("add", seq, sink))
 
     def cancel(self, seq_id: int) -> None:
@@ -324,7 +324,9 @@ class EngineLoop:
         m.request_generation_tokens.observe(len(seq.output_ids))
         m.request_max_tokens.observe(seq.params.max_tokens)
         if self.log_requests:
-            log_finish(seq.seq_id, reason, len(seq.prompt_ids), len(seq.output_ids), seconds)
+            log_finish(
+                seq.request_id or seq.seq_id, reason, len(seq.prompt_ids), len(seq.output_ids), seconds
+            )
 
     def _post(self, sink: Any, item: Delta | BaseException) -> None:
         self._outlet.post(sink, item)

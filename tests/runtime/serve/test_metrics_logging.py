@@ -194,14 +194,21 @@ def test_the_stats_line_appears_while_busy_and_not_while_idle(server, caplog):
 def test_request_lines_at_arrival_and_end(server, caplog):
     wait_idle(server)
     with caplog.at_level(logging.INFO, logger="mlac.server"):
-        complete(server, max_tokens=3, temperature=0.5, seed=7)
+        r = complete(server, max_tokens=3, temperature=0.5, seed=7)
+        named = httpx.post(f"{server.url}/v1/completions", headers={"X-Request-Id": "job-42"},
+                           json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "n": 2, "ignore_eos": True})  # fmt: skip
         wait_idle(server)
     text = "\n".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("request "))
     arrived = re.search(
-        r"request (\d+): arrived, 12 prompt tokens, max_tokens=3 temperature=0.5 .*seed=7", text
+        r"request ([0-9a-f]{32}): arrived, 12 prompt tokens, max_tokens=3 temperature=0.5 .*seed=7", text
     )
     assert arrived, text
+    assert arrived[1] == r.headers["x-request-id"]  # the id the server gave the request
     assert f"request {arrived[1]}: finished (length), 12 prompt + 3 generated tokens, " in text
+    assert named.headers["x-request-id"] == "job-42"  # the client's id, choice j of n named <id>-j
+    for j in (0, 1):
+        assert f"request job-42-{j}: arrived, 3 prompt tokens" in text
+        assert f"request job-42-{j}: finished (length), 3 prompt + 2 generated tokens" in text
 
 
 def test_logs_are_off_as_told(artifact, server, caplog):
