@@ -62,7 +62,7 @@ class Metrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
         PlatformCollector(registry=self.registry)  # python_info
         self._finished = self._counter("request_success", "Engine requests finished, by finished_reason "
                                        "(stop, length, abort, error), counted when they end", "finished_reason")  # fmt: skip

@@ -115,8 +115,9 @@ def test_a_requests_phases_add_up(server):
         key = (f"mlac:{metric}", (("model_name", MODEL),))
         return after[key] - before.get(key, 0.0)
 
-    phases = {m: delta(f"request_{m}_time_seconds_sum") for m in ("queue", "prefill", "decode", "inference")}
-    counts = {m: delta(f"request_{m}_time_seconds_count") for m in ("queue", "prefill", "decode", "inference")}
+    kinds = ("queue", "prefill", "decode", "inference")
+    phases = {m: delta(f"request_{m}_time_seconds_sum") for m in kinds}
+    counts = {m: delta(f"request_{m}_time_seconds_count") for m in kinds}
     assert counts == {"queue": 1, "prefill": 1, "decode": 1, "inference": 1}
     assert phases["decode"] > 0 and phases["prefill"] > 0
     assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], rel=1e-6)
