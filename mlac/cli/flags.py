@@ -192,11 +192,14 @@ GENERATION_CONFIG = Flag("--generation-config", field="generation_config", defau
                          help="Default sampling of requests that leave it out: auto (the artifact's "
                          "generation_config.json), vllm or none (mlac's: temperature 1, no top-p/top-k), or a "
                          "folder with a generation_config.json.")  # fmt: skip
-REASONING_PARSER = Flag("--reasoning-parser", field="reasoning_parser", type=click.Choice(["deepseek_r1"]),
-                        default=None, help="Chat: return the text before </think> as reasoning_content "
-                        "(DeepSeek-R1; default: none).")  # fmt: skip
-TOOL_CALL_PARSER = Flag("--tool-call-parser", field="tool_call_parser", type=click.Choice(["deepseek_v3"]),
-                        default=None, help="Chat: parse DeepSeek-V3 tool calls out of answers into tool_calls "
+REASONING_PARSER = Flag("--reasoning-parser", field="reasoning_parser",
+                        type=click.Choice(["deepseek_r1", "deepseek_v3"]), default=None,
+                        help="Chat: return the text before </think> as reasoning_content (deepseek_r1: every "
+                        "answer; deepseek_v3, DeepSeek-V3.1: with chat_template_kwargs {\"thinking\": true}; "
+                        "default: none).")  # fmt: skip
+TOOL_CALL_PARSER = Flag("--tool-call-parser", field="tool_call_parser",
+                        type=click.Choice(["deepseek_v3", "deepseek_v31"]), default=None,
+                        help="Chat: parse DeepSeek-V3's (or V3.1's) tool calls out of answers into tool_calls "
                         "(default: none).")  # fmt: skip
 ENABLE_AUTO_TOOL_CHOICE = Flag("--enable-auto-tool-choice", field="enable_auto_tool_choice", is_flag=True,
                                help='Allow tool_choice "auto" (the default for requests with tools); needs '

@@ -44,11 +44,12 @@ from mlac.runtime.serve.protocol import (
     parse_body,
     prompt_list,
 )
-from mlac.runtime.serve.reasoning import prompt_opens_think
+from mlac.runtime.serve.reasoning import prompt_opens_think, splits
 from mlac.runtime.serve.render import ChatRender, CompletionRender, Render, sse
 from mlac.runtime.serve.request_id import RequestIdMiddleware, request_id
 from mlac.runtime.serve.submission import Submission
 from mlac.runtime.serve.tool_choice import plan_tools
+from mlac.runtime.serve.tools import TOOL_FORMATS
 
 # Text of at most this many characters is tokenized on the event loop (well under 1 ms); more, in a
 # worker thread (the hand-offs to it and back cost ~0.1 ms of every request's TTFT: see _build)
@@ -232,8 +233,10 @@ class Api:
             )
         messages = chat_messages(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        # the tool-call format: the parser's (a call forced without a parser: V3's)
+        fmt = TOOL_FORMATS[self.config.tool_call_parser or "deepseek_v3"]
         tools = plan_tools(body.tools, body.tool_choice, self.config.enable_auto_tool_choice,
-                           body.parallel_tool_calls is not False)  # fmt: skip
+                           body.parallel_tool_calls is not False, fmt)  # fmt: skip
         grammar = GrammarSpec("lark", tools.grammar) if tools.grammar is not None else None  # forced calls
 
         def make() -> list[Sequence]:
@@ -248,8 +251,9 @@ class Api:
         seqs = await _build(make, inline)
         sub = Submission(self.loop, seqs)
         tail = engine.tokenizer.decode(seqs[0].prompt_ids[-8:], skip_special_tokens=False)  # template's end
-        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n,
-                            self.config.reasoning_parser, prompt_opens_think(tail), tools.parse,
+        reasoning = splits(self.config.reasoning_parser, body.chat_template_kwargs)
+        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n, reasoning,
+                            prompt_opens_think(tail), fmt if tools.parse else None,
                             body.prompt_logprobs is not None)  # fmt: skip
         render.choices_per_prompt = body.n
         return await _respond(request, body, sub, render, lambda: self._count(request, 200))

@@ -21,7 +21,7 @@ from mlac.runtime.engine.sequence import Delta
 from mlac.runtime.serve.protocol import ApiError
 from mlac.runtime.serve.reasoning import DeepSeekR1Parser, split
 from mlac.runtime.serve.submission import Submission
-from mlac.runtime.serve.tools import DeepSeekV3ToolParser, parse
+from mlac.runtime.serve.tools import DeepSeekToolParser, ToolFormat, parse
 
 DONE = "data: [DONE]\n\n"
 ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(x, ensure_ascii=False), built once
@@ -242,18 +242,20 @@ class ChatRender(Render):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1, reasoning_parser: str | None = None,
-                 think_opened: bool = False, tool_calls: bool = False, prompt_logprobs: bool = False):  # fmt: skip
-        """`reasoning_parser` ("deepseek_r1" or None): split each choice's text into reasoning_content
-        and content (reasoning.py); `think_opened`: the chat template ended the prompt in `<think>`;
-        `tool_calls`: parse DeepSeek-V3 tool calls out of the content (tools.py);
+    def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1, reasoning: bool = False,
+                 think_opened: bool = False, tool_calls: ToolFormat | None = None,
+                 prompt_logprobs: bool = False):  # fmt: skip
+        """`reasoning`: split each choice's text into reasoning_content and content (reasoning.py);
+        `think_opened`: the chat template ended the prompt in `<think>`; `tool_calls`: parse tool
+        calls of that format out of the content (tools.py);
         `prompt_logprobs`: the body carries vLLM's `prompt_logprobs` (the prompt is the choices')."""
         super().__init__(tokenizer, model, n)
         self.want_logprobs = logprobs
         self.show_prompt_logprobs = prompt_logprobs
         self.think_opened = think_opened
-        self.parsers = [DeepSeekR1Parser(think_opened) for _ in range(n)] if reasoning_parser else None
-        self.tool_parsers = [DeepSeekV3ToolParser() for _ in range(n)] if tool_calls else None
+        self.parsers = [DeepSeekR1Parser(think_opened) for _ in range(n)] if reasoning else None
+        self.tool_format = tool_calls
+        self.tool_parsers = [DeepSeekToolParser(tool_calls) for _ in range(n)] if tool_calls else None
         self.called = [False] * n  # choice i streamed a tool call
 
     def _entry(self, token_id: int, logprob: float) -> dict:
@@ -326,7 +328,7 @@ class ChatRender(Render):
             message = {**message, "reasoning_content": reasoning or None, "reasoning": reasoning or None}
         if self.tool_parsers is None:
             return message
-        content, calls = parse(content)
+        content, calls = parse(content, self.tool_format)
         return {**message, "content": content or None, "tool_calls": calls}
 
     def body(self) -> dict:
