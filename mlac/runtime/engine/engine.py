@@ -64,6 +64,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), when asked
 
 
 def is_one_prompt(prompt: object) -> bool:
@@ -379,7 +380,8 @@ class Engine:
         """Complete one prompt (-> Completion) or a batch of prompts (-> [Completion]) through the
         continuous-batching scheduler. Sampling comes from `sampling_params` (one for all, or one
         per prompt) or from SamplingParams keyword arguments (max_tokens=16, temperature=0.0 i.e.
-        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs)."""
+        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, presence_penalty,
+        frequency_penalty, repetition_penalty, logit_bias, min_tokens, prompt_logprobs)."""
         one = is_one_prompt(prompts)
         batch = [prompts] if one else list(prompts)
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in ("stop", "stop_token_ids")}
@@ -421,6 +423,5 @@ class Engine:
     @staticmethod
     def _completion(s: Seq) -> Completion:
         logprobs = list(s.logprobs) if s.params.logprobs is not None else None
-        return Completion(
-            s.text(), list(s.output_ids), s.finish_reason, len(s.prompt_ids), len(s.output_ids), logprobs
-        )
+        return Completion(s.text(), list(s.output_ids), s.finish_reason, len(s.prompt_ids), len(s.output_ids),
+                          logprobs, s.prompt_logprobs)  # fmt: skip

@@ -50,6 +50,11 @@ def test_prompt_logprobs_are_the_teacher_forced_ones(engine, chunk):
         assert [t for t, _ in x.top] == row.topk(3).indices.tolist()
     plain = engine.generate(prompt, SamplingParams(max_tokens=2))
     assert seq.output_ids == plain.token_ids  # sampling is unchanged
+    assert plain.prompt_logprobs is None
+    api = engine.generate(prompt, max_tokens=2, prompt_logprobs=3).prompt_logprobs  # the Python API
+    assert api[0] is None
+    assert [(x.token_id, x.rank) for x in api[1:]] == [(x.token_id, x.rank) for x in got[1:]]
+    assert [x.logprob for x in api[1:]] == pytest.approx([x.logprob for x in got[1:]], abs=1e-4)
 
 
 def test_they_come_with_the_first_delta(engine):
