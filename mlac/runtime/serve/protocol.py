@@ -368,8 +368,9 @@ def new_sequences(
     request_id: str | None = None,
 ) -> list[Sequence]:
     """The body.n engine requests (choices) for prompt `ids`, named `request_id` (choice j of n >
-    1: "<request_id>-j"); 400 if prompt + max_tokens exceed the context. Each choice is its own engine request; with the prefix cache they share the
-    prompt's prefill (the scheduler admits the others once the first has cached the prompt).
+    1: "<request_id>-j"); 400 if prompt + max_tokens exceed the context. Each choice is its own
+    engine request; with the prefix cache they share the prompt's prefill (the scheduler admits
+    the others once the first has cached the prompt).
     `tool_grammar`: see sampling_params (a tool's parameters schema that does not compile is a 400
     naming `tools`)."""
     ctx = engine.max_context
