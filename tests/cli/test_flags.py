@@ -82,3 +82,28 @@ def test_importing_the_cli_imports_no_torch():
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, cwd=Path(REPO))  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_vllm_names_set_the_same_fields(tmp_path):
+    args = [str(tmp_path), "--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager", "-tp", "2",
+            "--kv-cache-dtype", "fp8"]  # fmt: skip
+    config = ServerConfig.of(artifact=tmp_path, **flags.option_fields(parsed_flags(serve, args)))
+    rt, sched = config.engine.runtime, config.engine.scheduler
+    assert (sched.max_running_requests, sched.prefix_cache, rt.cuda_graph) == (8, False, False)
+    assert (rt.tensor_parallel_size, rt.kv_cache_dtype) == (2, "fp8")
+    on = ServerConfig.of(artifact=tmp_path, **flags.option_fields(parsed_flags(serve, [str(tmp_path),
+                         "--enable-prefix-caching", "--kv-cache-dtype", "auto"])))  # fmt: skip
+    assert on.engine.scheduler.prefix_cache and on.engine.runtime.kv_cache_dtype is None
+    args = [str(tmp_path), "--prompt", "x", "--enforce-eager", "-tp", "1"]
+    given = parsed_flags(generate, args, ("generation_config",))
+    options = EngineOptions.of(**flags.option_fields(given))
+    assert (options.runtime.cuda_graph, options.runtime.tensor_parallel_size) == (False, 1)
+
+
+def test_serve_help_lists_the_vllm_names():
+    from click.testing import CliRunner
+
+    out = CliRunner().invoke(serve, ["--help"]).output
+    for name in ("--tensor-parallel-size", "-tp", "--max-num-seqs", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--disable-radix-cache", "--enforce-eager", "--kv-cache-dtype"):  # fmt: skip
+        assert name in out, name

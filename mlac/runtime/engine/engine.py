@@ -33,6 +33,8 @@ from mlac.kernels.gemm.gemv_configs import DENSE_DTYPES
 from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
 from mlac.runtime.engine.constrain import Grammars
 from mlac.runtime.engine.options import EngineOptions
+from mlac.runtime.engine.penalties import Penalties, check_logit_bias
+from mlac.runtime.engine.prompt_logprobs import check_prompt_logprobs
 from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from mlac.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from mlac.runtime.engine.sequence import Delta, FinishReason
@@ -62,6 +64,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), when asked
 
 
 def is_one_prompt(prompt: object) -> bool:
@@ -330,17 +333,23 @@ class Engine:
             return [int(t) for t in prompt.tolist()]
         return [int(t) for t in prompt]
 
-    def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Seq:
-        """A validated request for a Scheduler (prompt in range, stop strings need a tokenizer, a
-        grammar compiles: constrain.InvalidGrammar, whose `param` names response_format)."""
+    def new_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Seq:
+        """A validated request for a Scheduler (prompt in range, stop strings need a tokenizer,
+        logit_bias in the vocabulary, no prompt_logprobs under speculative decoding, a grammar
+        compiles: constrain.InvalidGrammar, whose `param` names response_format). `request_id`: the
+        server's name of the request (its log lines)."""
         ids = self.encode_prompt(prompt)
         self._check_prompt(ids)
         if params.stop and self.tokenizer is None:
             raise MlacError("stop strings need a tokenizer; this engine has none")
         detok = self.tokenizer.detokenizer(ids) if self.tokenizer is not None else None
+        check_logit_bias(params, self.config.vocab_size)
+        check_prompt_logprobs(params, self.scheduler_config.speculative_num_steps)
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         generator = make_generator(params.seed, self.device)
-        return Seq(next(self._seq_ids), ids, params, generator, detok, matcher)
+        penalties = Penalties.of(params, ids, self.config.eos_token_ids)
+        return Seq(next(self._seq_ids), ids, params, generator, detok, matcher, penalties=penalties,
+                   request_id=request_id)  # fmt: skip
 
     def scheduler(self, config: SchedulerConfig | None = None) -> Scheduler:
         """A fresh continuous-batching scheduler over this engine's runner and cache."""
@@ -374,7 +383,8 @@ class Engine:
         """Complete one prompt (-> Completion) or a batch of prompts (-> [Completion]) through the
         continuous-batching scheduler. Sampling comes from `sampling_params` (one for all, or one
         per prompt) or from SamplingParams keyword arguments (max_tokens=16, temperature=0.0 i.e.
-        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs)."""
+        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, presence_penalty,
+        frequency_penalty, repetition_penalty, logit_bias, min_tokens, prompt_logprobs)."""
         one = is_one_prompt(prompts)
         batch = [prompts] if one else list(prompts)
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in ("stop", "stop_token_ids")}
@@ -416,6 +426,5 @@ class Engine:
     @staticmethod
     def _completion(s: Seq) -> Completion:
         logprobs = list(s.logprobs) if s.params.logprobs is not None else None
-        return Completion(
-            s.text(), list(s.output_ids), s.finish_reason, len(s.prompt_ids), len(s.output_ids), logprobs
-        )
+        return Completion(s.text(), list(s.output_ids), s.finish_reason, len(s.prompt_ids), len(s.output_ids),
+                          logprobs, s.prompt_logprobs)  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from mlac.runtime.engine.constrain import Matcher, mask_logits
+from mlac.runtime.engine.penalties import Penalties, PenaltyStep
 from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from mlac.runtime.engine.tokenizer import IncrementalDetokenizer
 from mlac.runtime.kvcache.radix import Node
@@ -35,6 +36,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int  # so far
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
 
 
 @dataclass(eq=False)
@@ -47,6 +49,8 @@ class Sequence:
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     matcher: Matcher | None = None  # its grammar's state when params.grammar is set (constrain.py)
+    penalties: Penalties | None = None  # its token counts when params.penalized (penalties.py)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked (prompt_logprobs.py)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -58,6 +62,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     prefix: Node | None = None  # its matched prefix-cache node while it holds blocks
     dp_rank: int = 0  # DP attention: the rank whose KV cache holds its blocks (Scheduler.pools)
+    request_id: str | None = None  # the server's name of it (X-Request-Id), for its log lines
     first_token_time: float | None = None
     last_token_time: float | None = None
     _sent_tokens: int = 0
@@ -101,7 +106,7 @@ class Sequence:
         if self.matcher is not None:
             self.matcher.advance(token)
         new = self.detok.add(token) if self.detok is not None else ""
-        if new and p.stop:
+        if new and p.stop and len(self.output_ids) >= p.min_tokens:  # min_tokens holds stop strings back too
             self.stop_at = find_stop(self.detok.text, len(new), p.stop)
         if self.stop_at is not None or (self.matcher is not None and self.matcher.done):
             self.finish_reason = "stop"
@@ -127,6 +132,7 @@ class Sequence:
         new_text = text[self._sent_chars :]
         self._sent_chars = max(self._sent_chars, len(text))
         ids, lps = self.output_ids[self._sent_tokens :], self.logprobs[self._sent_tokens :]
+        first = self._sent_tokens == 0 and bool(ids)  # the prompt's logprobs travel with it
         self._sent_tokens = len(self.output_ids)
         return Delta(
             self.seq_id,
@@ -137,6 +143,7 @@ class Sequence:
             len(self.prompt_ids),
             len(self.output_ids),
             self.num_cached_tokens,
+            self.prompt_logprobs if first else None,
         )
 
 
@@ -166,9 +173,15 @@ def unique(seqs: list[Sequence]) -> list[Sequence]:
 
 def sample_next(seqs: list[Sequence], logits: torch.Tensor, eos_ids: Seq[int], max_context: int) -> None:
     """Sample one token per sequence from its logits [B, V] and append it (with its logprobs). A
-    sequence with a grammar samples among the tokens it allows; its logprobs are the model's."""
+    sequence with a grammar samples among the tokens it allows, one with penalties from its
+    penalized logits; its logprobs are the model's."""
     masked = mask_logits(logits, [s.matcher for s in seqs])  # logits itself when none has a grammar
+    penalized = PenaltyStep.of([s.penalties for s in seqs], masked)
+    if penalized is not None:
+        masked = penalized.apply(masked)
     tokens = sample(masked, [s.params for s in seqs], [s.generator for s in seqs])
+    if penalized is not None:
+        penalized.count(tokens)
     lps = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
     for s, t, lp in zip(seqs, tokens.tolist(), lps, strict=True):
         s.append_token(t, lp, eos_ids, max_context)

@@ -36,8 +36,8 @@ class ServerConfig(Options):
     warmup: bool = True  # run the step shapes once before /health turns ready (CUDA: Triton JIT)
     process_start: float | None = None  # time.monotonic() at process start: the start-up log's import phase
     generation_config: str = "auto"  # default sampling: auto | vllm | none | a folder (generation_config.py)
-    reasoning_parser: str | None = None  # "deepseek_r1": chat splits reasoning_content out (reasoning.py)
-    tool_call_parser: str | None = None  # "deepseek_v3": chat parses tool calls out of answers (tools.py)
+    reasoning_parser: str | None = None  # deepseek_r1 | deepseek_v3: splits reasoning out (reasoning.py)
+    tool_call_parser: str | None = None  # deepseek_v3 | deepseek_v31: tool calls parsed out (tools.py)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (and the default with tools)
     log_requests: bool = False  # a log line per request at arrival and at its end (stats.py)
     log_stats: bool = True  # the periodic stats line while busy

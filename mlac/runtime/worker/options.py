@@ -13,6 +13,7 @@ from mlac.core.errors import MlacError
 from mlac.core.options import Options
 from mlac.core.plan import MAX_BS as MAX_GRAPH_BS
 from mlac.core.plan import decode_buckets
+from mlac.runtime.expect import kv_cache_dtype_of
 from mlac.runtime.model.options import ModelOptions
 from mlac.runtime.worker.kernel_cache import CacheMode
 
@@ -46,7 +47,10 @@ class RuntimeOptions(Options):
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     draft_layers: int = 0  # KV pools for the MTP layers (speculative decoding; the Engine sets it)
-    dp_attention: bool | None = None  # what the launch expects of the artifact's plan (None: any)
+    # what the launch states of the artifact (None: any; checked by runtime/expect.py)
+    dp_attention: bool | None = None
+    tensor_parallel_size: int | None = None  # its plan's tp
+    kv_cache_dtype: str | None = None  # its compiled KV cache dtype, as --kv-cache-dtype names it
     load_overlap: bool = True
     require_signature: Path | None = None  # a PEM public key the artifact's signature must verify with
     model: ModelOptions = field(default_factory=ModelOptions)
@@ -65,6 +69,7 @@ class RuntimeOptions(Options):
             raise MlacError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise MlacError(f"--max-model-len {self.max_model_len}: must be at least 1")
+        kv_cache_dtype_of(self.kv_cache_dtype)  # a name it knows (MlacError otherwise)
 
     @property
     def dtype_name(self) -> str:
