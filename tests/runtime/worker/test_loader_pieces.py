@@ -288,7 +288,9 @@ def test_a_newer_schema_version_is_refused_clearly(art):
     m = json.loads((art / "manifest.json").read_text())
     m["schema_version"] = 4
     (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(MlacError, match=r"schema_version 4 is newer than this mlac reads \(1, 2, 3\); upgrade"):
+    with pytest.raises(
+        MlacError, match=r"schema_version 4 is newer than this mlac reads \(1, 2, 3\); upgrade"
+    ):
         Manifest.load(art)
 
 

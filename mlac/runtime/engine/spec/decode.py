@@ -143,7 +143,11 @@ class SpecDecoder:
         check_spec(num_steps, len(model.mtp) > 0)
         if cache.extra_layers < 1:
             raise MlacError("speculative decoding needs a KV cache with the MTP layer's pool (extra_layers)")
-        self.exec, self.allocator, self.num_steps = runner.spec_executor(), runner.kv_pools[0].allocator, num_steps
+        self.exec, self.allocator, self.num_steps = (
+            runner.spec_executor(),
+            runner.kv_pools[0].allocator,
+            num_steps,
+        )
         # the one-replay greedy step's graphs (spec_chain.py), where the runner can have them
         self.exec.prepare(num_steps)
         self.drafts: dict[int, Draft] = {}  # by seq_id
