@@ -9,7 +9,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).parent
 # A skip decided by asking torch (or a HAS_CUDA flag) whether CUDA is there.
-OWN_RULE = re.compile(r"skip(if)?\((not )?(torch\.cuda\.|_?util\.HAS_CUDA|HAS_CUDA)|cuda\.is_available\(\):\s*\n\s*pytest\.skip")
+OWN_RULE = re.compile(
+    r"skip(if)?\((not )?(torch\.cuda\.|_?util\.HAS_CUDA|HAS_CUDA)|cuda\.is_available\(\):\s*\n\s*pytest\.skip"
+)
 
 
 def own_rules(text: str) -> list[str]:
