@@ -30,6 +30,44 @@ for _folder in sorted(p for p in Path(__file__).parent.rglob("*") if p.is_dir() 
 TINY_PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The one way a test says it needs GPUs: `@pytest.mark.gpu` (one device) or
+    `@pytest.mark.gpu(2)` (that many). Without them it is skipped, saying what it needs."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        need = (marker.args[0] if marker.args else 1) if marker else 0
+        if need > have:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device{'s' if need > 1 else ''}"))
+
+
+@pytest.fixture(autouse=True)
+def _settings_read_afresh():
+    """Each test reads mlac's settings (mlac/settings.py, read once per process) from the
+    environment as it finds it, not as an earlier test left it."""
+    from mlac import settings
+
+    settings.reload()
+    yield
+    settings.reload()
+
+
+@pytest.fixture
+def setting(monkeypatch):
+    """setting(name, value): the environment variable set for this test (None: unset), and mlac's
+    settings read again from it."""
+    from mlac import settings
+
+    def put(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        settings.reload()
+
+    return put
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(preset) -> path of a synthetic HF checkpoint (seed 0), cached for the session."""

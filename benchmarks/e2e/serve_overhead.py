@@ -4,11 +4,11 @@
         [--artifact ART] [--streams 256] [--prompt-len 16] [--max-tokens 64] [--client-procs 1]
 
 Two measurements of the same engine, the same N requests (N random prompts of `--prompt-len` ids,
-`--max-tokens` tokens each, temperature 0, ignore_eos, logprobs 0, as benchmarks/serve_http.py sends):
+`--max-tokens` tokens each, temperature 0, ignore_eos, logprobs 0, as benchmarks/e2e/serve_http.py sends):
 
 1. in process: one Scheduler steps the N sequences to the end (what `mlac bench` measures);
    tokens/s, and CPU microseconds of this process per generated token.
-2. over HTTP: `mlac serve` in a process of its own (benchmarks/serve_http.py's ServerProcess and
+2. over HTTP: `mlac serve` in a process of its own (serve_http.py's ServerProcess and
    client processes), N concurrent streaming /v1/completions; tokens/s and the server process's
    CPU microseconds per generated token (psutil, over the phase; the engine's own process
    included: the default, else --engine-thread).
@@ -42,7 +42,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_http  # noqa: E402  (a sibling script, not a package)
+import http_load  # noqa: E402  (sibling scripts, not a package)
+import serve_http  # noqa: E402
 
 
 def tiny_artifact(root: Path) -> Path:
@@ -121,7 +122,7 @@ def over_http_here(args, art: Path, ids: list[list[int]], clients) -> dict:
                           engine_process=not args.engine_thread)  # fmt: skip
     with ServerThread(config, load=functools.partial(load, art, len(ids), args.gpu_step_ms)) as srv:
         warm = clients.run(srv.url, "tiny", ids[:8], 4, 0, 60.0)
-        assert not serve_http.check(warm, 4), serve_http.check(warm, 4)[:3]
+        assert not http_load.check(warm, 4), http_load.check(warm, 4)[:3]
         engine = getattr(srv.state.loop, "process", None)  # the engine's own process, if any
         procs = [psutil.Process()] + ([psutil.Process(engine.process.pid)] if engine is not None else [])
         cpu0 = cpu_seconds(procs)
@@ -138,12 +139,12 @@ def over_http(args, art: Path, ids: list[list[int]], log: Path) -> dict:
            "--dtype", "float32", "--no-verify", "--log-level", "warning", "--drain-timeout", "2",
            "--max-running-requests", str(len(ids)), "--max-queue", str(len(ids)),
            "--served-model-name", "tiny"] + (["--no-engine-process"] if args.engine_thread else [])  # fmt: skip
-    clients = serve_http.Clients(args.client_procs)  # forked before the server starts
+    clients = http_load.Clients(args.client_procs)  # forked before the server starts
     server = serve_http.ServerProcess(cmd, log, None)
     try:
         server.wait_healthy(url, 120.0)
         warm = clients.run(url, "tiny", ids[:8], 4, 0, 60.0)  # first requests: imports, lazy set-up
-        assert not serve_http.check(warm, 4), serve_http.check(warm, 4)[:3]
+        assert not http_load.check(warm, 4), http_load.check(warm, 4)[:3]
         proc = psutil.Process(server.proc.pid)
         procs = [proc, *proc.children(recursive=True)]  # the engine's own process too, if any
         cpu0 = cpu_seconds(procs)
@@ -161,9 +162,9 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 
 def http_result(run, cpu: float, max_tokens: int, streams: int) -> dict:
-    errors = serve_http.check(run, max_tokens)
+    errors = http_load.check(run, max_tokens)
     tokens = sum(t.tokens for t in run.traces)
-    stats = serve_http.decode_stats(run, max_tokens)
+    stats = http_load.decode_stats(run, max_tokens)
     return {"tokens": tokens, "wall_s": round(run.wall, 3), "tokens_per_s": round(tokens / run.wall, 1),
             "decode_tokens_per_s": stats["decode_tokens_per_s"], "step_ms": stats.get("decode_step_ms"),
             "itl_ms_p50": stats["itl_ms_p50"],
@@ -195,9 +196,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         art = args.artifact or tiny_artifact(Path(tmp))
         vocab = json.loads((art / "manifest.json").read_text())["model"]["vocab_size"]
-        ids = serve_http.prompts(args.streams, args.prompt_len, vocab, 0)
+        ids = http_load.prompts(args.streams, args.prompt_len, vocab, 0)
         if args.gpu_step_ms > 0:
-            clients = serve_http.Clients(args.client_procs)  # forked before any thread starts
+            clients = http_load.Clients(args.client_procs)  # forked before any thread starts
             try:
                 engine = in_process(art, ids, args.max_tokens, args.gpu_step_ms)
                 print(f"in process: {engine}", flush=True)

@@ -1,5 +1,5 @@
-"""The MLA decode output on one GPU: head_bmm merging the split-KV partials (fused, `MLAC_FUSED_MLA_OUT`)
-against the separate merge kernel + head_bmm.
+"""The MLA decode output on one GPU: head_bmm merging the split-KV partials (fused: decode_absorbed
+up to FUSED_MERGE_MAX_SPLITS splits) against the separate merge kernel + head_bmm.
 
     python benchmarks/kernels/mla_out.py [--out results.json] [--max-context 32768]
 

@@ -14,7 +14,7 @@ from decode_num_splits for a block table of --max-context tokens, as a CUDA grap
 by timing.graph_us (one CUDA graph, warm replays, CUDA events, median). `kv_gbps`: the
 distinct KV bytes of the case over the time, and `of_copy`: that as a fraction of the measured
 device-to-device copy bandwidth (the ceiling: every KV byte read once). `max_diff`: grouped
-against per-row outputs. End to end, MLAC_MLA_ROW_GROUPS=0 turns the grouped form off (A/B).
+against per-row outputs. End to end, `DecodeGraphs(row_groups=False)` captures no grouped graph.
 """
 
 from __future__ import annotations

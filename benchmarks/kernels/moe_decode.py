@@ -12,7 +12,7 @@ has one ready-to-paste line per shape with the best decode config.
 
 `--shared`: one MoE layer at batch 1 with its shared experts, apart (their own MLP: w13 GEMM,
 silu_mul[_quant], w2 GEMM, as the model dispatches them, then `fused_moe(..., shared_out=...)`) or
-inside the routed experts' decode launches (`fused_moe(..., shared=...)`, `MLAC_MOE_SHARED_FUSED`).
+inside the routed experts' decode launches (`fused_moe(..., shared=...)`, the model's default).
 V2-Lite has 2 shared experts, the V3 slice 1; FP8 input comes quantized by its producer (Fp8Act),
 as the norm hands it to the layer. Also reports the kernel launches of one call (torch.profiler).
 `--sweep` also times "inside" under each decode config of `sweep` (one token), fastest first.
@@ -381,7 +381,6 @@ def meta(copy: float, results: list[dict], t0: float) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "host": platform.node(),
-        "decode_kernel_enabled": MD.ENABLED,
         "copy_GBps": copy,
         "calls_per_graph": CALLS,
         "elapsed_s": time.monotonic() - t0,

@@ -3,7 +3,7 @@
     python benchmarks/kernels/router.py [--out results.json]
 
 For V2-Lite (E=64, D=2048, greedy softmax top-6) and V3 (E=256, D=7168, noaux_tc top-8), T rows:
-  torch:   F.linear(x.float(), gate), then `route` (MLAC_ROUTER_KERNEL=0: cast, GEMV (2), route)
+  torch:   F.linear(x.float(), gate), then `route` (cast, GEMV (2), route: router_plan's choice above 4 rows)
   logits:  the logits kernel, then `route` (2 launches)
   fused:   logits and routing in one launch (the last program routes)
 each a chain of 27 calls (one per MoE layer of a V2-Lite step) in one CUDA graph: us per call, and the

@@ -71,7 +71,9 @@ from mlac.core.errors import MlacError
                    "Hugging Face cache layout, else none).")  # fmt: skip
 @click.option("--source-revision", default=None,
               help="The source's revision (a commit hash), recorded in the provenance (default: as --source-repo).")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout (identity, sizes, times).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON summary on stdout (identity, sizes, times)."
+)
 @friendly_errors
 def compile(model_dir, out_dir, fp8, tp, ep, dp_attention, kv_cache_dtype, cuda_graph_max_bs, no_mtp,
             skip_accuracy_check, calibration_text, force, then_prepare, source_repo, source_revision,
@@ -167,7 +169,9 @@ def prepare(out_dir, cache_out, **flags):
 
     options = EngineOptions.of(**option_fields(flags))
     unit, folder = run_prepare(out_dir, options, log=log, cache_out=cache_out)
-    click.echo(f"prepared {out_dir} for {unit.key}: {len(unit.files)} files, {unit.bytes / 1e6:.1f} MB in {folder}")
+    click.echo(
+        f"prepared {out_dir} for {unit.key}: {len(unit.files)} files, {unit.bytes / 1e6:.1f} MB in {folder}"
+    )
 
 
 @click.command()
@@ -190,7 +194,9 @@ def inspect(out_dir, as_json):
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--public-key", type=click.Path(path_type=Path), default=None,
               help="Also check the artifact's signature (signature.sig.json) with this PEM public key.")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout (identity, files, ranks, units).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON summary on stdout (identity, files, ranks, units)."
+)
 @friendly_errors
 def verify(out_dir, public_key, as_json):
     """Check the artifact as the loader does and re-hash every file: the manifest against its

@@ -68,6 +68,10 @@ def _device(value: str | None, parsed: Mapping[str, Any]) -> str:
     return check_device(value)  # None: cuda when a GPU is present
 
 
+def _stated(value: str, parsed: Mapping[str, Any]) -> str | None:
+    return None if value == "auto" else value  # auto: not stated (the artifact decides)
+
+
 def _kernel_cache(require_prepared: bool, parsed: Mapping[str, Any]) -> str:
     return "require" if require_prepared else "use"
 
@@ -101,8 +105,9 @@ KV_CACHE_BYTES = Flag("--kv-cache-bytes", field="kv_cache_bytes", type=int, defa
                       "contexts).")  # fmt: skip
 NUM_BLOCKS = Flag("--num-blocks", field="num_blocks", type=int, default=None,
                   help="KV cache size in blocks of 16 tokens (instead of --kv-cache-bytes).")  # fmt: skip
-CUDA_GRAPH = Flag("--cuda-graph/--no-cuda-graph", field="cuda_graph", default=True, show_default=True,
-                  help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
+# vLLM's --enforce-eager: another name of --no-cuda-graph
+CUDA_GRAPH = Flag("--cuda-graph/--no-cuda-graph", " /--enforce-eager", "cuda_graph", field="cuda_graph", default=True,
+                  show_default=True, help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
 CUDA_GRAPH_MAX_BS = Flag("--cuda-graph-max-bs", field="cuda_graph_max_bs", type=click.IntRange(1, 4096),
                          default=256, show_default=True,
                          help="Largest decode batch captured as a CUDA graph (larger batches run eagerly).")  # fmt: skip
@@ -115,6 +120,14 @@ GPU_MEMORY_UTILIZATION = Flag(
 )  # fmt: skip
 MAX_MODEL_LEN = Flag("--max-model-len", field="max_model_len", type=int, default=None,
                      help="Cap the context (default: the model's max_position_embeddings).")  # fmt: skip
+# vLLM's names; the artifact decides both (mlac compile --tp, --kv-cache-dtype): a launch may only state them
+TENSOR_PARALLEL_SIZE = Flag("--tensor-parallel-size", "-tp", "tensor_parallel_size", field="tensor_parallel_size",
+                            type=click.IntRange(1), default=None,
+                            help="Refuse an artifact not compiled for this TP degree (default: as compiled).")  # fmt: skip
+KV_CACHE_DTYPE = Flag("--kv-cache-dtype", field="kv_cache_dtype", convert=_stated, default="auto", show_default=True,
+                      type=click.Choice(["auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+                      help="Refuse an artifact whose KV cache was compiled otherwise (auto: as compiled; fp8 is "
+                      "fp8_e4m3).")  # fmt: skip
 REQUIRE_PREPARED = Flag("--require-prepared", field="kernel_cache", convert=_kernel_cache, is_flag=True,
                         help="On a GPU, refuse to start without a kernel cache of this GPU's signature (prepare).")  # fmt: skip
 REQUIRE_SIGNATURE = Flag("--require-signature", field="require_signature", default=None,
@@ -132,12 +145,16 @@ PLAIN_HTTP = Flag("--plain-http", field=None, is_flag=True,
 
 # ---- SchedulerConfig --------------------------------------------------------------------------
 
-MAX_RUNNING_REQUESTS = Flag("--max-running-requests", field="max_running_requests", type=int, default=64,
-                            show_default=True, help="Most requests in the running batch.")  # fmt: skip
+MAX_RUNNING_REQUESTS = Flag("--max-running-requests", "--max-num-seqs", "max_running_requests",
+                            field="max_running_requests", type=int, default=64, show_default=True,
+                            help="Most requests in the running batch (--max-num-seqs: vLLM's name).")  # fmt: skip
 CHUNKED_PREFILL_SIZE = Flag("--chunked-prefill-size", field="chunked_prefill_size", type=int, default=2048,
                             show_default=True, help="Most prompt tokens run per step.")  # fmt: skip
-DISABLE_RADIX_CACHE = Flag("--disable-radix-cache", field="prefix_cache", convert=_negated, is_flag=True,
-                           help="Recompute every prompt from its start (no prefix cache shared between requests).")  # fmt: skip
+# vLLM's name; SGLang's --disable-radix-cache is another name of --no-enable-prefix-caching
+PREFIX_CACHE = Flag("--enable-prefix-caching/--no-enable-prefix-caching", " /--disable-radix-cache",
+                    "enable_prefix_caching", field="prefix_cache", default=True, show_default=True,
+                    help="Share the KV of common prompt prefixes between requests (off: recompute every prompt "
+                    "from its start).")  # fmt: skip
 # SGLang's names; the artifact's MTP layer drafts that many tokens per step (runtime/engine/spec/decode.py)
 SPECULATIVE_ALGORITHM = Flag("--speculative-algorithm", field=None, default=None,
                              type=click.Choice(["nextn", "mtp"], case_sensitive=False),
@@ -175,11 +192,14 @@ GENERATION_CONFIG = Flag("--generation-config", field="generation_config", defau
                          help="Default sampling of requests that leave it out: auto (the artifact's "
                          "generation_config.json), vllm or none (mlac's: temperature 1, no top-p/top-k), or a "
                          "folder with a generation_config.json.")  # fmt: skip
-REASONING_PARSER = Flag("--reasoning-parser", field="reasoning_parser", type=click.Choice(["deepseek_r1"]),
-                        default=None, help="Chat: return the text before </think> as reasoning_content "
-                        "(DeepSeek-R1; default: none).")  # fmt: skip
-TOOL_CALL_PARSER = Flag("--tool-call-parser", field="tool_call_parser", type=click.Choice(["deepseek_v3"]),
-                        default=None, help="Chat: parse DeepSeek-V3 tool calls out of answers into tool_calls "
+REASONING_PARSER = Flag("--reasoning-parser", field="reasoning_parser",
+                        type=click.Choice(["deepseek_r1", "deepseek_v3"]), default=None,
+                        help="Chat: return the text before </think> as reasoning_content (deepseek_r1: every "
+                        "answer; deepseek_v3, DeepSeek-V3.1: with chat_template_kwargs {\"thinking\": true}; "
+                        "default: none).")  # fmt: skip
+TOOL_CALL_PARSER = Flag("--tool-call-parser", field="tool_call_parser",
+                        type=click.Choice(["deepseek_v3", "deepseek_v31"]), default=None,
+                        help="Chat: parse DeepSeek-V3's (or V3.1's) tool calls out of answers into tool_calls "
                         "(default: none).")  # fmt: skip
 ENABLE_AUTO_TOOL_CHOICE = Flag("--enable-auto-tool-choice", field="enable_auto_tool_choice", is_flag=True,
                                help='Allow tool_choice "auto" (the default for requests with tools); needs '
@@ -200,18 +220,22 @@ LOG_STATS_INTERVAL = Flag("--log-stats-interval", field="log_stats_interval", ty
                           show_default=True, help="Seconds between two stats lines while the server is busy.")  # fmt: skip
 
 RUNTIME_FLAGS = (DEVICE, DTYPE, NO_VERIFY, KV_CACHE_BYTES, NUM_BLOCKS, CUDA_GRAPH, CUDA_GRAPH_MAX_BS,
-                 DP_ATTENTION, GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, REQUIRE_PREPARED, REQUIRE_SIGNATURE)  # fmt: skip
+                 DP_ATTENTION, TENSOR_PARALLEL_SIZE, KV_CACHE_DTYPE, GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN,
+                 REQUIRE_PREPARED, REQUIRE_SIGNATURE)  # fmt: skip
 SOURCE_FLAGS = (DOWNLOAD_DIR, PLAIN_HTTP)
-SCHEDULER_FLAGS = (MAX_RUNNING_REQUESTS, CHUNKED_PREFILL_SIZE, DISABLE_RADIX_CACHE, SPECULATIVE_ALGORITHM,
+SCHEDULER_FLAGS = (MAX_RUNNING_REQUESTS, CHUNKED_PREFILL_SIZE, PREFIX_CACHE, SPECULATIVE_ALGORITHM,
                    SPECULATIVE_NUM_STEPS, DISABLE_OVERLAP_SCHEDULE)  # fmt: skip
 ENGINE_FLAGS = (CHAT_TEMPLATE,)
 SERVER_FLAGS = (HOST, PORT, API_KEY, MAX_QUEUE, DRAIN_TIMEOUT, SERVED_MODEL_NAME, GENERATION_CONFIG,
                 REASONING_PARSER, TOOL_CALL_PARSER, ENABLE_AUTO_TOOL_CHOICE, MAX_BODY_BYTES, REQUEST_BODY_TIMEOUT,
                 WARMUP, LOG_REQUESTS, DISABLE_LOG_STATS, LOG_STATS_INTERVAL)  # fmt: skip
-BY_PARAM = {f.param: f for f in (*RUNTIME_FLAGS, *SCHEDULER_FLAGS, *ENGINE_FLAGS, *SERVER_FLAGS, *SOURCE_FLAGS)}
+BY_PARAM = {
+    f.param: f for f in (*RUNTIME_FLAGS, *SCHEDULER_FLAGS, *ENGINE_FLAGS, *SERVER_FLAGS, *SOURCE_FLAGS)
+}
 
 # the groups several commands take whole
 memory_flags = with_flags(GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN)  # see runtime/worker/memory_plan.py
+artifact_flags = with_flags(TENSOR_PARALLEL_SIZE, KV_CACHE_DTYPE)  # what a launch states of the artifact
 source_flags = with_flags(REQUIRE_SIGNATURE, DOWNLOAD_DIR, PLAIN_HTTP)  # an artifact from a registry, trusted
 decode_flags = with_flags(SPECULATIVE_ALGORITHM, SPECULATIVE_NUM_STEPS, DISABLE_OVERLAP_SCHEDULE)
 

@@ -20,6 +20,7 @@ from mlac.cli.flags import (
     NO_VERIFY,
     NUM_BLOCKS,
     REQUIRE_PREPARED,
+    artifact_flags,
     decode_flags,
     memory_flags,
     option_fields,
@@ -58,6 +59,7 @@ TRUSTED_STORAGE_HELP = "Trusted storage: check file sizes only, skip sha256."
     CUDA_GRAPH,
 )
 @memory_flags
+@artifact_flags
 @decode_flags
 @REQUIRE_PREPARED
 @source_flags
@@ -136,6 +138,7 @@ def read_json_schema(path: Path) -> str:
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here."
 )
 @memory_flags
+@artifact_flags
 @decode_flags
 @REQUIRE_PREPARED
 @source_flags
@@ -202,6 +205,7 @@ def parse_batch_sizes(text: str) -> list[int]:
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the record here."
 )
 @memory_flags
+@artifact_flags
 @REQUIRE_PREPARED
 @source_flags
 @friendly_errors

@@ -20,7 +20,6 @@ from mlac.cli.flags import (
     CUDA_GRAPH_MAX_BS,
     DEVICE,
     DISABLE_LOG_STATS,
-    DISABLE_RADIX_CACHE,
     DP_ATTENTION,
     DRAIN_TIMEOUT,
     DTYPE,
@@ -28,6 +27,7 @@ from mlac.cli.flags import (
     GENERATION_CONFIG,
     HOST,
     KV_CACHE_BYTES,
+    KV_CACHE_DTYPE,
     LOG_REQUESTS,
     LOG_STATS_INTERVAL,
     MAX_BODY_BYTES,
@@ -36,10 +36,12 @@ from mlac.cli.flags import (
     NO_VERIFY,
     NUM_BLOCKS,
     PORT,
+    PREFIX_CACHE,
     REASONING_PARSER,
     REQUEST_BODY_TIMEOUT,
     REQUIRE_PREPARED,
     SERVED_MODEL_NAME,
+    TENSOR_PARALLEL_SIZE,
     TOOL_CALL_PARSER,
     WARMUP,
     decode_flags,
@@ -53,8 +55,8 @@ from mlac.cli.ship import ARTIFACT, fetched
 
 @click.command()
 @click.argument("out_dir", type=ARTIFACT)
-@with_flags(HOST, PORT, API_KEY, DEVICE, DTYPE, MAX_RUNNING_REQUESTS, CHUNKED_PREFILL_SIZE,
-            DISABLE_RADIX_CACHE, KV_CACHE_BYTES, NUM_BLOCKS, MAX_QUEUE, DRAIN_TIMEOUT, SERVED_MODEL_NAME,
+@with_flags(HOST, PORT, API_KEY, DEVICE, DTYPE, TENSOR_PARALLEL_SIZE, KV_CACHE_DTYPE, MAX_RUNNING_REQUESTS,
+            CHUNKED_PREFILL_SIZE, PREFIX_CACHE, KV_CACHE_BYTES, NUM_BLOCKS, MAX_QUEUE, DRAIN_TIMEOUT, SERVED_MODEL_NAME,
             GENERATION_CONFIG, CHAT_TEMPLATE, REASONING_PARSER, TOOL_CALL_PARSER, ENABLE_AUTO_TOOL_CHOICE,
             MAX_BODY_BYTES, REQUEST_BODY_TIMEOUT)  # fmt: skip
 @click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes of a multi-rank artifact.")
@@ -95,6 +97,7 @@ def serve(out_dir, nnodes, node_rank, master_addr, master_port, log_level, engin
         from mlac.core.signed import check_artifact_signature
 
         check_artifact_signature(out_dir, flags["require_signature"])
+    check_stated(out_dir, flags)
     launch = LaunchSpec(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
     launch = launch if nnodes > 1 else None
     serves = launches_rank_0(launch)  # else another node, or torchrun RANK > 0: no HTTP server here
@@ -117,3 +120,14 @@ def serve(out_dir, nnodes, node_rank, master_addr, master_port, log_level, engin
                 launch.ranks.close()  # those the load did not take: it failed before it needed them
         return
     run_server(config, log_level=log_level, process=process)
+
+
+def check_stated(out_dir, flags: dict) -> None:
+    """--tensor-parallel-size, --kv-cache-dtype and --dp-attention against the artifact's manifest,
+    when any is given: refused here, before any process starts (runtime/expect.py)."""
+    from mlac.core.artifact import Manifest
+    from mlac.runtime.expect import check_expected
+
+    stated = option_fields({k: flags[k] for k in ("tensor_parallel_size", "kv_cache_dtype", "dp_attention")})
+    if any(v is not None for v in stated.values()):
+        check_expected(Manifest.load(out_dir), **stated)

@@ -116,8 +116,12 @@ def _ranks(text: str | None) -> list[int] | None:
 @click.argument("reference")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--ranks", default=None, help="Pull only these ranks' folders (and the shared files): 0,1.")
-@click.option("--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: pull node R's ranks only.")
-@click.option("--nnodes", type=click.IntRange(1), default=None, help="Nodes the artifact's ranks are spread over.")
+@click.option(
+    "--node-rank", type=click.IntRange(0), default=None, help="With --nnodes: pull node R's ranks only."
+)
+@click.option(
+    "--nnodes", type=click.IntRange(1), default=None, help="Nodes the artifact's ranks are spread over."
+)
 @click.option("--target", type=click.Choice(["auto", "all", "none"]), default="auto", show_default=True,
               help="Kernel-cache units to pull: this GPU's (auto), every one, or none.")  # fmt: skip
 @click.option("--device", default="cuda", show_default=True, help="The GPU whose unit --target auto pulls.")

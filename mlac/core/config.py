@@ -220,7 +220,9 @@ def _check_moe(cfg: ModelConfig, source: str) -> None:
     """The routing counts agree with each other, and rope works on pairs (checked once the types
     are known good)."""
     if cfg.qk_rope_head_dim % 2:
-        raise _refuse(source, "qk_rope_head_dim", cfg.qk_rope_head_dim, "must be even (rope rotates pairs of dims)")
+        raise _refuse(
+            source, "qk_rope_head_dim", cfg.qk_rope_head_dim, "must be even (rope rotates pairs of dims)"
+        )
     n = cfg.n_routed_experts
     if n is None:
         return

@@ -48,6 +48,7 @@ MTP_NAMES = {
 MTP_COPIES = {"embed_tokens.weight": "embed", "shared_head.head.weight": "head"}  # V3: the main ones' copies
 NOT_QUANTIZED = {"mlp.gate.weight"}  # 2-D but never FP8 in DeepSeek releases: the router
 
+
 @dataclass(frozen=True)
 class Expected:
     shape: tuple[int, ...]

@@ -109,3 +109,41 @@ class Progress:
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
+
+
+class Watch:
+    """A long step whose total is unknown (prepare's kernel compiles): `probe()` says how far it is
+    ("143 files, 21.4 MB"), shown with the seconds elapsed, as Progress shows bytes (a line at least
+    every `interval` seconds when stderr is not a terminal)."""
+
+    def __init__(self, label: str, probe, stream: TextIO | None = None, interval: float = INTERVAL_S):
+        self.label, self.probe = label, probe
+        self.stream = stream if stream is not None else sys.stderr
+        self.terminal = self.stream.isatty()
+        self.interval = REDRAW_S if self.terminal else interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="mlac-watch", daemon=True)
+        self._start = time.monotonic()
+
+    def __enter__(self) -> Watch:
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._emit(final=True)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._emit()
+
+    def _emit(self, final: bool = False) -> None:
+        try:
+            what = self.probe()
+        except OSError:  # the watched folder changing under the probe
+            what = "..."
+        text = f"{self.label}: {what}, {human_seconds(time.monotonic() - self._start)}"
+        self.stream.write(("\r\x1b[K" + text + ("\n" if final else "")) if self.terminal else text + "\n")
+        self.stream.flush()

@@ -7,10 +7,10 @@ Programmatic dependent launch (PDL, Hopper and later): a kernel launched with `l
 may start while the kernel before it in the stream drains; its CTAs run until `gdc_wait()`, which
 blocks until that previous kernel has completed and its writes are visible. CUDA-graph capture
 keeps these as programmatic edges, so a replayed decode step overlaps each kernel's launch and
-ramp-up with the tail of the one before. The switch, `pdl_on()`: on when env MLAC_PDL (read once,
-at import) is not "0" and the current GPU is CUDA sm >= 90 (asked once, at the first launch); always
-off on CPU and under TRITON_INTERPRET=1 (the interpreter never sees a gdc op: they sit behind the
-kernels' `PDL` constexpr).
+ramp-up with the tail of the one before. The switch, `pdl_on()`: on unless the setting MLAC_PDL
+(mlac/settings.py) is 0, when the current GPU is CUDA sm >= 90 (asked once, at the first launch);
+always off on CPU and under TRITON_INTERPRET=1 (the interpreter never sees a gdc op: they sit behind
+the kernels' `PDL` constexpr).
 
 Every mlac kernel follows one mechanical pattern:
 
@@ -39,6 +39,8 @@ import os
 
 import torch
 
+from mlac import settings
+
 try:
     import triton
     import triton.language as tl
@@ -47,20 +49,19 @@ except ImportError:  # the CPU runtime must not need triton
     tl = None
 
 HAS_TRITON = triton is not None
-PDL_ENV = "MLAC_PDL"
 
 
 def use_triton(x: torch.Tensor, requested: bool | None = None) -> bool:
     """Triton on CUDA tensors (the reference when triton is missing); on CPU tensors only when
     asked, under TRITON_INTERPRET=1 (tests). `requested` True forces Triton, False forces the
-    reference, None picks by device; MLAC_FORCE_TRITON=1 acts as True.
+    reference, None picks by device; the setting MLAC_FORCE_TRITON=1 acts as True.
 
     NOTE: the interpreter multiplies the raw bits of bf16 `tl.dot` operands (triton-lang/triton
     #11584): a bf16 model forced onto Triton on CPU gives logits near 1e11 (gemv, extend_attention
     and mla_decode dot bf16; the GPU is right) unless tests/kernels/conftest.py's interpreter
     patch is applied, as it is for every test under tests/kernels/. Float32 runs are exact."""
     if requested is None:
-        requested = (x.is_cuda and HAS_TRITON) or os.environ.get("MLAC_FORCE_TRITON") == "1"
+        requested = (x.is_cuda and HAS_TRITON) or settings.FORCE_TRITON.get()
     if requested and not HAS_TRITON:
         raise RuntimeError("the Triton path was requested but triton is not installed")
     if requested and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -82,9 +83,6 @@ def refuse_in_capture(device: torch.device, what: str) -> None:
         raise CaptureNeedsWarmup(f"{what} must be made before CUDA-graph capture")
 
 
-PDL_REQUESTED: bool = os.environ.get(PDL_ENV) != "0"  # read once, at import
-
-
 def pdl_supported() -> bool:
     """Whether this process can launch with PDL: Triton compiling for CUDA (not the interpreter)
     on a current GPU of compute capability 9.0 or more. Initializes CUDA: call it at a launch."""
@@ -95,10 +93,10 @@ def pdl_supported() -> bool:
 
 @functools.cache
 def pdl_on() -> bool:
-    """This process's switch, fixed at its first launch: MLAC_PDL (as read at import) is not "0"
-    and PDL is supported here. Not decided at import, where asking the GPU would initialize CUDA
-    (and a process that initialized CUDA can no longer fork workers)."""
-    return PDL_REQUESTED and pdl_supported()
+    """This process's switch, fixed at its first launch: the setting MLAC_PDL is on and PDL is
+    supported here. Not decided at import, where asking the GPU would initialize CUDA (and a
+    process that initialized CUDA can no longer fork workers)."""
+    return settings.PDL.get() and pdl_supported()
 
 
 def pdl_launch() -> dict[str, bool]:

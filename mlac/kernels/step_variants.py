@@ -14,7 +14,7 @@ the weights' shapes:
   64 (decode tiles), then two prefill configs; and M itself (not `dynamic`): "1", "16", "any" (a
   warm-up of multiples of 16 above 256 tokens left every eager step of 300 tokens, say, to compile);
 - skinny GEMM (gemv.py, gemv_configs.py; bf16 weights at <= 16 rows): its config and BLOCK_M per row count;
-- router (router_gemv.py, <= 16 rows): the plan and BLOCK_T;
+- router (router_gemv.py): the fused launch's BLOCK_T, where router_plan takes it (<= 4 rows);
 - act_quant (FP8 activations quantized apart): M's class.
 
 Other kernels take t as a grid size or a `dynamic` argument only, or pick their variant from the
@@ -66,8 +66,8 @@ def step_variants(t: int, shapes: StepShapes) -> list[tuple]:
     moe = shapes.moe
     if moe is not None:
         out += moe_variants(t, moe.top_k, moe.num_experts, moe.hidden, moe.intermediate, moe.fp8, shapes.sms)
-        if t <= router_gemv.MAX_ROWS:
-            out.append(("router", router_gemv.router_plan(t), router_gemv.t_class(t)))
+        if router_gemv.router_plan(t) == "fused":
+            out.append(("router", router_gemv.t_class(t)))
     return out
 
 

@@ -5,7 +5,7 @@ config file (`~/.docker/config.json`, `$DOCKER_CONFIG/config.json` or `$REGISTRY
 their credential helpers) and bearer-token exchanges. mlac adds what moving a model needs: blobs
 streamed to and from disk (never whole in memory), each download checked against its digest as
 it streams and resumed where an earlier one stopped, bounded retries, and one-line errors. A
-username and password may also come from MLAC_REGISTRY_USERNAME / MLAC_REGISTRY_PASSWORD.
+username and password may also come from the settings MLAC_REGISTRY_USERNAME / MLAC_REGISTRY_PASSWORD.
 Credentials are never printed. A registry without TLS is spoken to over plain HTTP with
 `--plain-http`, or when MLAC_INSECURE_REGISTRIES names it (HOST:PORT, comma-separated).
 
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlac import settings
 from mlac.core.errors import IntegrityError, RegistryError
 from mlac.ship.reference import Reference
 
@@ -33,9 +34,6 @@ ACCEPT = ", ".join([MANIFEST_TYPE, INDEX_TYPE, "application/vnd.docker.distribut
 CHUNK = 1 << 20
 ATTEMPTS = 3  # connection errors and 5xx: tried again after 1 s, then 2 s; 4xx: not
 TIMEOUT_S = (10, 300)  # connect, read (between bytes)
-USERNAME_ENV, PASSWORD_ENV = "MLAC_REGISTRY_USERNAME", "MLAC_REGISTRY_PASSWORD"
-# registries spoken to over plain HTTP (docker's "insecure-registries"), comma-separated HOST[:PORT]
-INSECURE_ENV = "MLAC_INSECURE_REGISTRIES"
 
 Progress = Callable[[int], None]
 
@@ -45,8 +43,8 @@ class Registry:
 
     def __init__(self, ref: Reference, plain_http: bool = False):
         self.ref = ref
-        insecure = {h.strip() for h in os.environ.get(INSECURE_ENV, "").split(",") if h.strip()}
-        self.plain_http = plain_http or ref.registry in insecure
+        # docker's "insecure-registries": HOST[:PORT] names
+        self.plain_http = plain_http or ref.registry in settings.INSECURE_REGISTRIES.get()
         self.base = f"{'http' if self.plain_http else 'https'}://{ref.registry}/v2/{ref.repository}"
         self._local = threading.local()
 
@@ -62,7 +60,7 @@ class Registry:
                 p for p in (_docker_config(), os.environ.get("REGISTRY_AUTH_FILE")) if p and Path(p).is_file()
             ]
             client.auth.load_configs(client.get_container(self.ref.repository), configs=configs or None)
-            user, password = os.environ.get(USERNAME_ENV), os.environ.get(PASSWORD_ENV)
+            user, password = settings.REGISTRY_USERNAME.get(), settings.REGISTRY_PASSWORD.get()
             if user and password:
                 client.auth.set_basic_auth(user, password)
             self._local.client = client

@@ -3,6 +3,11 @@
 Trained with the `tokenizers` library on a built-in English text, so the files are the same on
 every machine and every run. Any text round-trips (byte-level: no unknown tokens); English words
 get multi-byte tokens, so token counts look like a real tokenizer's, at a fraction of the size.
+
+After the trained ids come the tokens DeepSeek-V3's, R1's and V3.1's tokenizers add for tool calls
+and thinking (ADDED_TOKENS), as their tokenizer.json has them: added tokens that are not
+`special`, so that they stay in decoded text (where the tool-call and reasoning parsers read them)
+and a grammar can name them (a forced tool call: runtime/serve/tool_choice.py).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from mlac.core.errors import MlacError
 
@@ -20,8 +25,21 @@ EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT)  # ids 0..3, as DeepSeek-V3 has bos 0 and eos 1
-MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # the specials and every byte
-MAX_VOCAB = 1024  # trained vocabulary, specials and the 256 bytes included (CORPUS allows ~1150)
+THINK, END_THINK = "<think>", "</think>"
+TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+TOOL_OUTPUTS = (
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+)
+# the last ids of the vocabulary, in this order (the real tokenizers' ids are above 128,000)
+ADDED_TOKENS = (TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP, *TOOL_OUTPUTS,
+                THINK, END_THINK)  # fmt: skip
+MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256  # the specials and every byte
+MIN_VOCAB = MIN_BPE_VOCAB + len(ADDED_TOKENS)  # a synthetic checkpoint's: the BPE and the added tokens
+MAX_VOCAB = 1024  # every id, the specials, the 256 bytes and the added tokens included (CORPUS allows ~1150)
 
 # DeepSeek-V3's template, less tools and thinking: bos, the system prompt, then the turns.
 CHAT_TEMPLATE = (
@@ -108,9 +126,9 @@ on the left are all smaller than the ones on the right.
 def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE of at most `vocab_size` ids (DeepSeek's specials first, then the 256 bytes)
     trained on `texts`, adding bos to every encoding."""
-    if vocab_size < MIN_VOCAB:
+    if vocab_size < MIN_BPE_VOCAB:
         raise MlacError(
-            f"vocab_size={vocab_size} is too small for a byte-level tokenizer (needs >= {MIN_VOCAB})"
+            f"vocab_size={vocab_size} is too small for a byte-level tokenizer (needs >= {MIN_BPE_VOCAB})"
         )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -129,8 +147,15 @@ def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """The synthetic checkpoints' tokenizer: train_bpe on CORPUS, at most MAX_VOCAB ids."""
-    return train_bpe(CORPUS.splitlines(keepends=True), min(vocab_size, MAX_VOCAB))
+    """The synthetic checkpoints' tokenizer: train_bpe on CORPUS, then ADDED_TOKENS; at most
+    MAX_VOCAB ids in all (`vocab_size` >= MIN_VOCAB)."""
+    if vocab_size < MIN_VOCAB:
+        raise MlacError(
+            f"vocab_size={vocab_size} is too small for the synthetic tokenizer (needs >= {MIN_VOCAB})"
+        )
+    tok = train_bpe(CORPUS.splitlines(keepends=True), min(vocab_size, MAX_VOCAB) - len(ADDED_TOKENS))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    return tok
 
 
 def write_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int) -> dict[str, int]:

@@ -2,7 +2,9 @@
 
 Synthesize the tiny-v3 checkpoint, compile it (`--tp`, FP8 weights), serve the artifact in this
 process on a free port of 127.0.0.1, send one chat request over HTTP (stdlib urllib: what any
-client would do), print the reply and the timings, and shut the server down.
+client would do), then one that forces a tool call (`tool_choice` naming WEATHER_TOOL: the
+answer is sampled under the tool-call grammar, so even random weights make a valid call), print
+the replies and the timings, and shut the server down.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+# the demo's tool: a bounded city name, so that a random model's call stays short
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                               "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class DemoResult:
@@ -25,6 +32,7 @@ class DemoResult:
     compile_s: float
     load_to_ready_s: float
     request_s: float
+    tool_call: dict  # the forced call's {"name", "arguments"}
 
 
 def run_demo(
@@ -69,15 +77,21 @@ def _run(work: Path, tp: int, prompt: str, max_tokens: int, echo: Callable[[str]
         t0 = time.perf_counter()
         reply = _post(f"{server.url}/v1/chat/completions", body)
         request_s = time.perf_counter() - t0
+        forced = {**body, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                  "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                  "max_tokens": 64}  # fmt: skip
+        called = _post(f"{server.url}/v1/chat/completions", forced)["choices"][0]["message"]
 
     choice = reply["choices"][0]
     result = DemoResult(choice["message"]["content"], choice["finish_reason"], reply["usage"],
-                        compile_s, load_s, request_s)  # fmt: skip
+                        compile_s, load_s, request_s, called["tool_calls"][0]["function"])  # fmt: skip
     echo(f"user: {prompt}")
     echo(f"assistant: {result.reply!r}  (random weights: the words mean nothing)")
     u = result.usage
     echo(f"usage: {u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens, "
          f"finish: {result.finish_reason}")  # fmt: skip
+    call = result.tool_call
+    echo(f"forced tool call (tool_choice {call['name']}): {call['name']}({call['arguments']})")
     echo(f"timings: compile {compile_s:.2f} s, load to ready {load_s:.2f} s, request {request_s:.3f} s")
     return result
 

@@ -26,11 +26,13 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import mlac
 from mlac.core.atomic import remove_stale_tmp, tmp_dir
 from mlac.core.errors import MlacError
 from mlac.core.files import FileEntry, sha256_file
+from mlac.core.progress import Watch, human_bytes
 from mlac.core.units import (
     CACHE_DIR,
     TRITON_DIR,
@@ -75,11 +77,13 @@ def prepare(
     log: Log = lambda msg: None,
     warm: Callable[[Path, Path, EngineOptions], None] | None = None,
     cache_out: str | Path | None = None,
+    progress_stream: TextIO | None = None,
 ) -> tuple[UnitManifest, Path]:
     """Compile every kernel the server meets on `options.runtime.device` (default: the server's
     options on "cuda") for the artifact at `root` into a unit (module docstring) at `cache_out`,
     else at root/cache/<key>; return it and its folder. MlacError: not an artifact, no GPU, or a
-    `cache_out` that holds something else than a unit."""
+    `cache_out` that holds something else than a unit. While the kernels compile, a line on
+    `progress_stream` (default stderr) at least every 10 s says how many files Triton has written."""
     root = Path(root)
     options = options or EngineOptions.of(device="cuda")
     device = options.runtime.device
@@ -103,7 +107,8 @@ def prepare(
             triton_cache_dir(Path(compiled)),
         ):
             log(f"compiling the kernels of {target.label()} (CUDA graphs, warm-up) ...")
-            (warm or warm_kernels)(root, Path(compiled), options)
+            with Watch("compiling kernels", lambda: _compiled(Path(compiled)), stream=progress_stream):
+                (warm or warm_kernels)(root, Path(compiled), options)
             files = store_cache(Path(compiled), tmp / TRITON_DIR, TRITON_DIR)
         unit = UnitManifest(base_identity=identity, key=key, signature=target, mlac_version=mlac.__version__,
                             files=files)  # fmt: skip
@@ -114,6 +119,12 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"kernel cache {key}: {len(unit.files)} files, {unit.bytes / 1e6:.1f} MB in {dest}")
     return unit, dest
+
+
+def _compiled(folder: Path) -> str:
+    """How much Triton has written to its cache directory so far."""
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    return f"{len(files)} cache files, {human_bytes(sum(p.stat().st_size for p in files))}"
 
 
 def check_destination(dest: Path) -> None:

@@ -1,4 +1,4 @@
-"""Bad inputs of `mlac generate` / `mlac serve` (issue 10): a port out of range, an unknown or
+"""Bad inputs of `mlac generate` / `mlac serve`: a port out of range, an unknown or
 unavailable device, a corrupt tokenizer file, a missing rank folder. Each is one `error: ...`
 line (a usage error for a port), no traceback from any process, nothing written or deleted."""
 

@@ -30,20 +30,24 @@ def test_every_flag_sets_a_field_of_the_options_chain():
     names = field_names(ServerConfig)
     assert [f.param for f in flags.BY_PARAM.values() if f.field is not None and f.field not in names] == []
     assert len(flags.BY_PARAM) == len(
-        flags.RUNTIME_FLAGS + flags.SCHEDULER_FLAGS + flags.ENGINE_FLAGS + flags.SERVER_FLAGS + flags.SOURCE_FLAGS
+        flags.RUNTIME_FLAGS
+        + flags.SCHEDULER_FLAGS
+        + flags.ENGINE_FLAGS
+        + flags.SERVER_FLAGS
+        + flags.SOURCE_FLAGS
     )  # one flag per parameter name
 
 
-def test_serve_flag_defaults_are_the_server_config_defaults(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLAC_API_KEY", raising=False)
+def test_serve_flag_defaults_are_the_server_config_defaults(tmp_path, setting):
+    setting("MLAC_API_KEY", None)
     given = parsed_flags(serve, [str(tmp_path)])
     assert set(given) == set(flags.BY_PARAM)  # serve takes every flag of the table
     config = ServerConfig.of(artifact=tmp_path, **flags.option_fields(given))
     assert config == ServerConfig.of(artifact=tmp_path, device=check_device(None))
 
 
-def test_flags_convert_to_their_fields(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLAC_API_KEY", "from-env")
+def test_flags_convert_to_their_fields(tmp_path, setting):
+    setting("MLAC_API_KEY", "from-env")
     args = [str(tmp_path), "--no-verify", "--require-prepared", "--disable-overlap-schedule",
             "--disable-radix-cache", "--speculative-algorithm", "mtp", "--disable-log-stats", "--device", "cpu",
             "--dtype", "float32", "--max-running-requests", "8", "--mem-fraction-static", "0.5"]  # fmt: skip
@@ -78,3 +82,28 @@ def test_importing_the_cli_imports_no_torch():
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, cwd=Path(REPO))  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_vllm_names_set_the_same_fields(tmp_path):
+    args = [str(tmp_path), "--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager", "-tp", "2",
+            "--kv-cache-dtype", "fp8"]  # fmt: skip
+    config = ServerConfig.of(artifact=tmp_path, **flags.option_fields(parsed_flags(serve, args)))
+    rt, sched = config.engine.runtime, config.engine.scheduler
+    assert (sched.max_running_requests, sched.prefix_cache, rt.cuda_graph) == (8, False, False)
+    assert (rt.tensor_parallel_size, rt.kv_cache_dtype) == (2, "fp8")
+    on = ServerConfig.of(artifact=tmp_path, **flags.option_fields(parsed_flags(serve, [str(tmp_path),
+                         "--enable-prefix-caching", "--kv-cache-dtype", "auto"])))  # fmt: skip
+    assert on.engine.scheduler.prefix_cache and on.engine.runtime.kv_cache_dtype is None
+    args = [str(tmp_path), "--prompt", "x", "--enforce-eager", "-tp", "1"]
+    given = parsed_flags(generate, args, ("generation_config",))
+    options = EngineOptions.of(**flags.option_fields(given))
+    assert (options.runtime.cuda_graph, options.runtime.tensor_parallel_size) == (False, 1)
+
+
+def test_serve_help_lists_the_vllm_names():
+    from click.testing import CliRunner
+
+    out = CliRunner().invoke(serve, ["--help"]).output
+    for name in ("--tensor-parallel-size", "-tp", "--max-num-seqs", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--disable-radix-cache", "--enforce-eager", "--kv-cache-dtype"):  # fmt: skip
+        assert name in out, name

@@ -1,4 +1,4 @@
-"""The accuracy report's perplexity over calibration text (issue 13, part 3): compile
+"""The accuracy report's perplexity over calibration text: compile
 --calibration-text -> source and artifact perplexity, top-1 agreement, the FP8 KV cache's cost."""
 
 from __future__ import annotations

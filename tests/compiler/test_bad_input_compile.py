@@ -1,4 +1,4 @@
-"""Bad inputs of `mlac compile` (issue 10): safetensors headers that do not tile the data, short
+"""Bad inputs of `mlac compile`: safetensors headers that do not tile the data, short
 reads, config values of the wrong type or out of range, JSON nested too deep, a bad index, an
 OUT_DIR that cannot be created. Each is one `error: ...` line, exit code 1, nothing written or
 deleted."""

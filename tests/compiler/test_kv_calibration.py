@@ -1,4 +1,4 @@
-"""Calibrated FP8 KV-cache scales (issue 13, part 4): compile --calibration-text -> per-layer
+"""Calibrated FP8 KV-cache scales: compile --calibration-text -> per-layer
 kv_scales in the manifest -> the runtime's PagedKVCache scales."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Without CUDA, Triton kernels run under the interpreter on CPU tensors: TRITON_INTERPRET must be set
 before triton (or any kernel module) is imported, which is why it is set here, at conftest import.
-Tests marked `gpu` are skipped without CUDA.
+Tests marked `gpu` are skipped without CUDA (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -107,12 +107,6 @@ def _patch_interpreter_downcasts() -> None:
 if HAS_TRITON and INTERPRET:
     _patch_interpreter_bf16_dot()
     _patch_interpreter_downcasts()
-
-
-@pytest.fixture(autouse=True)
-def _skip_gpu_without_cuda(request):
-    if request.node.get_closest_marker("gpu") and not HAS_CUDA:
-        pytest.skip("needs a CUDA device")
 
 
 @pytest.fixture

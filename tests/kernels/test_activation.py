@@ -57,8 +57,8 @@ def test_silu_mul_rejects_bad_input():
         activation.silu_mul_triton(torch.zeros(6, 4).t())
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_cpu_dispatch_runs_reference(monkeypatch, setting):
+    setting("MLAC_FORCE_TRITON", None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def no_triton(*args, **kwargs):

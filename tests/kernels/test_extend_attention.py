@@ -93,10 +93,10 @@ def test_extend_attention_bf16(triton_device):
     check(make_case([17, 40], [30, 3], 3, 3, 48, 32, torch.bfloat16, triton_device, seed=2))
 
 
-def test_extend_attention_dispatch_cpu_uses_reference(monkeypatch):
+def test_extend_attention_dispatch_cpu_uses_reference(monkeypatch, setting):
     import mlac.kernels.attention.extend as mod
 
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+    setting("MLAC_FORCE_TRITON", None)
 
     def no_triton(*args, **kwargs):
         raise AssertionError("extend_attention picked Triton for CPU tensors")

@@ -20,7 +20,6 @@ except ImportError:  # tests/ is not a package: pytest put this folder on sys.pa
     import _util
 
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
 _mods = _util.kernel_modules()
@@ -87,8 +86,8 @@ def test_fp8_linear_leading_dims_and_float32_input():
     _util.assert_close(out, gemm_mod.fp8_linear_ref(x, w, s, torch.bfloat16))
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_cpu_dispatch_runs_reference(monkeypatch, setting):
+    setting("MLAC_FORCE_TRITON", None)
 
     def no_triton(*args, **kwargs):
         raise AssertionError("fp8_linear picked Triton for CPU tensors")
@@ -132,14 +131,12 @@ GPU_SHAPES = [
 @pytest.mark.parametrize("m", [1, 64, 300, 4096])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 @pytest.mark.gpu
-@needs_cuda
 def test_gpu_fp8_linear_real_shapes(m, n, k):
     x, w, s = _case(m, n, k, seed=m + n + k)
     _util.assert_close(_run(x, w, s), _util.fp8_linear_ref64(x, w, s))
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_gpu_split_k_deterministic():
     x, w, s = _case(16, 2112, 7168, seed=1)
     cfg = gemm_mod.GemmConfig(16, 64, split_k=8)
@@ -149,7 +146,6 @@ def test_gpu_split_k_deterministic():
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("m,k", [(1, 7168), (4096, 7168), (33, 1000)])
 def test_gpu_act_quant_bit_exact(m, k):
     x, _, _ = _case(m, 8, k, seed=k)

@@ -8,10 +8,6 @@ folder's conftest before triton is imported); tests marked gpu run V2-Lite's rea
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -174,9 +170,10 @@ def test_skinny_applies(monkeypatch):
     assert configs.skinny_applies(x16.view(2, 8, 256), wd, None)
     assert configs.skinny_applies(x16, w, s) and configs.skinny_applies(_act(x16, torch.bfloat16), w, s)
     assert not configs.skinny_applies(_act(x17, torch.bfloat16), w, s)
-    monkeypatch.setattr(configs, "TUNED", {})  # an FP8 shape TUNED does not hold: only when asked everywhere
-    assert not configs.skinny_applies(x16, w, s) and configs.skinny_applies(x16, w, s, fp8_everywhere=True)
-    assert not configs.skinny_applies(x17, w, s, fp8_everywhere=True)
+    monkeypatch.setattr(configs, "TUNED", {})  # an FP8 shape TUNED does not hold: fp8_gemm
+    assert not configs.skinny_applies(x16, w, s) and not configs.skinny_applies(
+        _act(x16, torch.bfloat16), w, s
+    )
     assert not configs.skinny_applies(x16.float(), wd, None)  # dense needs x in W's dtype
     assert not configs.skinny_applies(_act(x16, torch.bfloat16), wd, None)
 
@@ -230,8 +227,8 @@ def spy(monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("fp8", [False, True])
-def test_linear_picks_skinny_up_to_16_rows(spy, monkeypatch, fp8):
-    monkeypatch.setenv("MLAC_FORCE_TRITON", "1")  # the Triton path on CPU tensors (interpreter)
+def test_linear_picks_skinny_up_to_16_rows(spy, monkeypatch, fp8, setting):
+    setting("MLAC_FORCE_TRITON", "1")  # the Triton path on CPU tensors (interpreter)
     _tuned_fp8(monkeypatch, 96, 256, 16)
     lin = _linear(fp8)
     x16 = _x(16, 256, torch.bfloat16, seed=2).view(2, 8, 256)
@@ -246,29 +243,17 @@ def test_linear_picks_skinny_up_to_16_rows(spy, monkeypatch, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_linear_keeps_reference_on_cpu_and_when_off(spy, monkeypatch, fp8):
-    from mlac.runtime.model import layers
-
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_linear_keeps_reference_on_cpu_and_where_declined(spy, monkeypatch, fp8, setting):
+    """CPU tensors take F.linear / the FP8 reference; on the device, a shape the table declines
+    (bf16: TUNED None; FP8: no config) keeps cuBLAS / fp8_gemm."""
+    setting("MLAC_FORCE_TRITON", None)
     lin, x = _linear(fp8), _x(1, 256, torch.bfloat16, seed=4).cpu()
     if DEV == "cpu":
         lin(x)
         assert spy == []  # CPU tensors: F.linear / the FP8 reference
-    monkeypatch.setattr(layers, "SKINNY_GEMM", False)
+    monkeypatch.setitem(configs.TUNED, ("bf16", 96, 256, 1), None)
     lin.to(DEV)(x.to(DEV))
     assert spy == []
-
-
-def test_switch_read_from_environment():
-    code = "import mlac.runtime.model.layers as l; print(l.SKINNY_GEMM)"
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    seen = []
-    for value in ("0", "1"):
-        env["MLAC_SKINNY_GEMM"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-        seen.append(out.stdout.strip())
-    assert seen == ["False", "True"]
 
 
 # ---- GPU: V2-Lite's real shapes ------------------------------------------------------------------

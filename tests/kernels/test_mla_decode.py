@@ -143,10 +143,10 @@ def test_mla_decode_strided_queries(triton_device):
     check(args, kv_scale, triton_device, num_splits=2)
 
 
-def test_mla_decode_dispatch_cpu_uses_reference(monkeypatch):
+def test_mla_decode_dispatch_cpu_uses_reference(monkeypatch, setting):
     import mlac.kernels.attention.mla_decode as mod
 
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+    setting("MLAC_FORCE_TRITON", None)
 
     def no_triton(*args, **kwargs):
         raise AssertionError("mla_decode picked Triton for CPU tensors")

@@ -239,10 +239,10 @@ def test_flattened_extends_give_the_same_tokens_grouped_and_per_row(artifact, mo
 
     def run(grouped: bool) -> list[list[int]]:
         engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, num_blocks=64)
-        graphs = DecodeGraphs(engine.runner.model, engine.cache, [1, 2, 4, 8, 16, 32], engine.max_context)
-        if not grouped:
-            graphs.group_rows = graphs.inputs.group_rows = 1
-            graphs.grouped_buckets = []
+        buckets = [1, 2, 4, 8, 16, 32]
+        graphs = DecodeGraphs(
+            engine.runner.model, engine.cache, buckets, engine.max_context, row_groups=grouped
+        )
         engine.runner.graphs = graphs
         first = engine.generate(prompts[:1], params)[0].token_ids  # fills the prefix cache
         return [first] + [c.token_ids for c in engine.generate(prompts[1:], params)]

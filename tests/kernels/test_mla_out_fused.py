@@ -1,5 +1,5 @@
 """The fused MLA decode output: head_bmm merging mla_decode's split-KV partials in its x load, and
-quantizing its output for an FP8 o_proj (issue #11), against the separate launches it replaces.
+quantizing its output for an FP8 o_proj, against the separate launches it replaces.
 
 The fused kernels must give the same bits as split + merge kernel + head_bmm (+ act_quant): the
 merge runs the merge kernel's own Triton helpers and the quantization `quant_groups`, so these
@@ -144,8 +144,8 @@ def test_reference_path_merges_and_quantizes():
 
 
 @pytest.mark.parametrize("fp8_wo", [False, True])
-def test_decode_absorbed_fused_equals_separate_launches(triton_device, monkeypatch, fp8_wo):
-    """MLAC_FUSED_MLA_OUT on against off (the module switch, as import sets it): on launches no
+def test_decode_absorbed_fused_equals_separate_launches(triton_device, monkeypatch, fp8_wo, setting):
+    """decode_absorbed's fuse_out on against off (ModelOptions.fused_mla_out): on launches no
     merge kernel, and gives the same o (or o_proj's Fp8Act of it) within bf16 tolerance: the two
     paths tile head_bmm's N differently (128 against 64), which may change the dot's summation
     order on a GPU (the kernel tests above compare bits at equal tiles)."""
@@ -156,22 +156,29 @@ def test_decode_absorbed_fused_equals_separate_launches(triton_device, monkeypat
     g = torch.Generator().manual_seed(9)
     w_kc = (torch.randn(3, 32, 64, generator=g) / 32**0.5).bfloat16().to(triton_device)
     q_nope = torch.randn(len(LENS), 3, 32, generator=g).bfloat16().to(triton_device)
-    monkeypatch.setenv("MLAC_FORCE_TRITON", "1")
+    setting("MLAC_FORCE_TRITON", "1")
 
-    def run():
-        o = attention_forms.decode_absorbed(
-            q_nope, q_rope, cache, table, seq_lens, scale, kv_scale, w_kc, w_vc, quant_out=fp8_wo
+    def run(fuse_out: bool = True):
+        return attention_forms.decode_absorbed(
+            q_nope,
+            q_rope,
+            cache,
+            table,
+            seq_lens,
+            scale,
+            kv_scale,
+            w_kc,
+            w_vc,
+            quant_out=fp8_wo,
+            fuse_out=fuse_out,
         )
-        return o
 
-    monkeypatch.setattr(attention_forms, "FUSED_MLA_OUT", False)
     merges = []
     real_merge = md._mla_decode_merge_kernel
     monkeypatch.setattr(md, "_mla_decode_merge_kernel", _Counting(real_merge, merges))
-    off = run()
+    off = run(fuse_out=False)
     assert merges, "this case must split the sequences (num_splits > 1)"
     assert isinstance(off, torch.Tensor) and off.shape == (len(LENS), 3 * 128)
-    monkeypatch.setattr(attention_forms, "FUSED_MLA_OUT", True)
     merges.clear()
     on = run()
     assert not merges, "the fused path launched the merge kernel"

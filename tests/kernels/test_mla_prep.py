@@ -132,8 +132,8 @@ def test_mla_prep_rejects_bad_arguments():
         prep.mla_prep(q, kv, cos, sin, weight.float(), 1e-6, cache, slots, torch.ones(1))
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_cpu_dispatch_runs_reference(monkeypatch, setting):
+    setting("MLAC_FORCE_TRITON", None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def no_triton(*args, **kwargs):

@@ -8,17 +8,12 @@ The shared experts inside the decode launches (shared.py): test_moe_shared.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from tests.kernels import _util
 
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 
 # the kernels interpreted when there is no CUDA (reloaded if a module imported them compiled)
@@ -61,7 +56,7 @@ def _decode_config(pairs: int, e: int, fp8: bool) -> config_mod.MoeDecodeConfig 
     the kernel runs such a shape with when asked (tensor cores with several rows per expert, else
     GEMM2 per token with the top-k sum): the kernel stays correct past its default's reach."""
     default = config_mod.pick_moe_decode_config(pairs, e, fp8)
-    if default is not None or not config_mod.ENABLED:  # switched off: the grouped path, as asked
+    if default is not None:
         return default
     if pairs > e:
         return config_mod.MoeDecodeConfig(64, 64, 128, 1, num_warps=4, num_stages=4, dot=True)
@@ -192,9 +187,8 @@ def test_decode_no_local_expert_gives_shared_out(monkeypatch):
     assert torch.equal(out, shared)
 
 
-def test_pick_decode_config_bounds(monkeypatch):
-    """By default one token's top-k only (measured: the grouped GEMMs win from 4 tokens on); the
-    switch turns it off."""
+def test_pick_decode_config_bounds():
+    """One token's top-k only (measured: the grouped GEMMs win from 4 tokens on)."""
     assert config_mod.pick_moe_decode_config(6, 64, fp8=True).fuse_sum  # V2-Lite batch 1
     assert config_mod.pick_moe_decode_config(6, 64, fp8=False).dot
     assert config_mod.pick_moe_decode_config(8, 256, fp8=True) is not None  # V3 batch 1
@@ -203,39 +197,30 @@ def test_pick_decode_config_bounds(monkeypatch):
     assert config_mod.pick_moe_decode_config(300, 256, fp8=True) is None  # too many pairs
     assert config_mod.pick_moe_decode_config(64 * 6, 64, fp8=True) is None  # prefill-like rows per expert
     assert config_mod.pick_moe_decode_config(40, 8, fp8=True) is None
-    monkeypatch.setattr(config_mod, "ENABLED", False)
-    assert config_mod.pick_moe_decode_config(6, 64, fp8=True) is None
 
 
 @needs_triton
-def test_switch_off_runs_grouped_gemms(monkeypatch):
-    """MLAC_MOE_DECODE_KERNEL=0 (ENABLED False): a decode shape runs the grouped GEMMs."""
+def test_a_grouped_config_runs_the_grouped_gemms_at_a_decode_shape(monkeypatch):
+    """A decode shape given a grouped config (grouped.pick_moe_config) runs the grouped GEMMs."""
 
     def no_decode(*args, **kwargs):
         raise AssertionError("the decode kernel ran")
 
-    monkeypatch.setattr(config_mod, "ENABLED", False)
     monkeypatch.setattr(moe_mod, "moe_decode_gate_up", no_decode)
     w13, w2, _, _ = make_experts(8, 96, 64, False, seed=3)
     weights, ids = make_routing(1, 8, 2, seed=4)
     x = make_x(1, 96, seed=5)
+    grouped = grouped_mod.pick_moe_config(ids.numel(), 8, False)
     _util.assert_close(
-        run_moe(x, w13, w2, weights, ids, None, None), moe_mod.fused_moe_ref(x, w13, w2, weights, ids)
+        run_moe(x, w13, w2, weights, ids, None, None, grouped),
+        moe_mod.fused_moe_ref(x, w13, w2, weights, ids),
     )
-
-
-def test_switch_is_read_from_the_environment():
-    code = "import mlac.kernels.moe.decode_config as d; print(d.ENABLED)"
-    env = {**os.environ, "MLAC_MOE_DECODE_KERNEL": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
 
 
 # ---- GPU: V2-Lite's real shapes -------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("t", [1, 4, 32])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_decode_v2_lite(fp8, t, monkeypatch):
@@ -260,7 +245,6 @@ def test_gpu_decode_v2_lite(fp8, t, monkeypatch):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("fuse_sum", [False, True], ids=["reduce", "fused-sum"])
 def test_gpu_decode_fp8_act_v2_lite(fuse_sum, monkeypatch):
     """V2-Lite FP8 at batch 4 with the activation quantized by its producer, both GEMM2 forms."""
@@ -287,7 +271,6 @@ def _fp8_act_linear_ref64(x_act, w, w_scale, out_dtype=None):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("t", [1, 32])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_decode_in_cuda_graph(fp8, t):
@@ -316,13 +299,13 @@ def test_gpu_decode_in_cuda_graph(fp8, t):
         assert torch.equal(out, call())
 
 
-def test_config_override_replaces_the_picked_tiles(monkeypatch):
+def test_config_override_replaces_the_picked_tiles(setting):
     """MLAC_MOE_DECODE_CONFIG (JSON per weight kind) replaces the tiles of that kind only; anything
     else (not JSON, an unknown kind or field) is a one-line MlacError naming the variable."""
     from mlac.core.errors import MlacError
 
-    monkeypatch.setattr(
-        config_mod, "CONFIG_TEXT", '{"fp8": {"block_n1": 64, "block_n2": 16, "dot": true, "fuse_sum": true}}'
+    setting(
+        "MLAC_MOE_DECODE_CONFIG", '{"fp8": {"block_n1": 64, "block_n2": 16, "dot": true, "fuse_sum": true}}'
     )
     picked = config_mod.pick_moe_decode_config(6, 64, fp8=True)
     assert picked == config_mod.MoeDecodeConfig(64, 16, dot=True, fuse_sum=True)

@@ -29,7 +29,6 @@ except ImportError:  # tests/ is not a package: pytest put this folder on sys.pa
     import _util
 
 needs_triton = pytest.mark.skipif(not _util.HAS_TRITON, reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not _util.HAS_CUDA, reason="needs CUDA")
 DEV = "cuda" if _util.HAS_CUDA else "cpu"
 RTOL = 1e-6
 
@@ -153,8 +152,8 @@ def test_spec_from_config_and_its_weight_rule():
     assert (greedy.grouped, greedy.group_size, greedy.weight_rule) == (False, 72, (True, 1.0))
 
 
-def test_cpu_dispatch_runs_reference(monkeypatch):
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+def test_cpu_dispatch_runs_reference(monkeypatch, setting):
+    setting("MLAC_FORCE_TRITON", None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def no_triton(*args, **kwargs):
@@ -176,7 +175,6 @@ GPU_CASES = [  # name, E, top_k, method, scoring, n_group, topk_group, norm, sca
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize(
     "name,e,top_k,method,scoring,n_group,topk_group,norm,scale,bias,t",
     GPU_CASES,

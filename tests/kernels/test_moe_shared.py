@@ -1,13 +1,12 @@
 """The shared experts inside fused MoE's decode launches (shared.py): as chunks that look like
-experts, against fused_moe_ref of those chunks and of the separate MLP; where they run apart; the
-switch; a compiled model's MoE layer; the kernels with shared chunks compiled for sm90.
+experts, against fused_moe_ref of those chunks and of the separate MLP; where they run apart; a
+compiled model's MoE layer; the kernels with shared chunks compiled for sm90.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes (test_moe_decode's helpers).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -125,24 +124,6 @@ def test_shared_experts_ride_in_the_decode_launches(t, e, top_k, d, i, n, n_inva
 
 
 @needs_triton
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_shared_switch_off_is_the_separate_mlp(fp8, monkeypatch):
-    """MLAC_MOE_SHARED_FUSED=0 (SHARED_FUSED False): the shared MLP runs apart, once, and the result
-    is the bits of today's path (its output given as shared_out)."""
-    no_grouped_path(monkeypatch)
-    t, e, top_k, d, i, n = 1, 8, 2, 256, 128, 2
-    w13, w2, s13, s2 = make_experts(e, d, i, fp8, seed=11)
-    weights, ids = make_routing(t, e, top_k, seed=12)
-    x = make_x(t, d, seed=13)
-    calls = []
-    shared = _shared_experts(d, i, n, fp8, seed=14, calls=calls)
-    monkeypatch.setattr(shared_mod, "SHARED_FUSED", False)
-    out = run_moe(x, w13, w2, weights, ids, s13, s2, shared=shared)
-    assert calls == [t]
-    assert torch.equal(out, run_moe(x, w13, w2, weights, ids, s13, s2, shared_out=shared.mlp(x, None)))
-
-
-@needs_triton
 @pytest.mark.parametrize(
     "fp8,i,s,t",
     [(True, 96, 192, 1), (False, 128, 64, 1), (False, 64, 128, 4)],
@@ -205,16 +186,23 @@ def test_a_widened_fused_sum_keeps_the_shared_mlp_apart(fp8, monkeypatch):
 @pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v2-lite", True), ("tiny-v3", True)])
 def test_model_moe_layer_at_batch_1_takes_its_shared_experts_in(preset, fp8, artifact, monkeypatch):
     """A compiled artifact's MoE layer at batch 1 on the Triton path: its shared MLP does not run
-    (the decode launches take the shared experts), and its partial sum is the separate MLP's
-    (MLAC_MOE_SHARED_FUSED=0) up to the roundings test_shared_experts_ride_in_the_decode_launches
-    names; with FP8 both for x and for x quantized by the norm (Fp8Act)."""
+    (the decode launches take the shared experts), and its partial sum is that of the same call with
+    the shared MLP run apart (its output given as shared_out) up to the roundings
+    test_shared_experts_ride_in_the_decode_launches names; with FP8 both for x and for x quantized
+    by the norm (Fp8Act)."""
     import mlac.runtime.model.model as model_mod
     from mlac.runtime.engine.engine import Engine
 
     engine = Engine.from_artifact(artifact(preset, fp8=fp8), verify=False, num_blocks=16)
     moe = next(m for m in engine.runner.model.modules() if isinstance(m, model_mod.MoE))
     assert moe.shared is not None and (moe.w13_scale is not None) == fp8
-    monkeypatch.setattr(model_mod, "fused_moe", functools.partial(moe_mod.fused_moe, use_triton=True))
+    moe_calls = []
+
+    def triton_moe(*args, **kwargs):
+        moe_calls.append((args, kwargs))
+        return moe_mod.fused_moe(*args, use_triton=True, **kwargs)
+
+    monkeypatch.setattr(model_mod, "fused_moe", triton_moe)
     # the tiny presets' top-2/4 + shared chunks widen the FP8 fused sum (real V2-Lite's 6 + 2 do not):
     # take them in regardless, this test is about the layer's wiring
     monkeypatch.setattr(moe_mod, "shared_widens_sum", lambda top_k, n: False)
@@ -226,12 +214,15 @@ def test_model_moe_layer_at_batch_1_takes_its_shared_experts_in(preset, fp8, art
     for x_in in inputs:
         fused = moe.partial(x_in)
         assert calls == []
-        monkeypatch.setattr(shared_mod, "SHARED_FUSED", False)
-        separate = moe.partial(x_in)
+        ((args, kwargs),) = moe_calls
+        shared = kwargs.pop("shared")
+        separate = moe_mod.fused_moe(
+            *args, use_triton=True, **kwargs, shared_out=shared.mlp(args[0], kwargs["x_act"])
+        )
         assert calls == [1]
         _util.assert_close(fused, separate)
-        monkeypatch.setattr(shared_mod, "SHARED_FUSED", True)
         calls.clear()
+        moe_calls.clear()
 
 
 COMPILE_SM90 = r"""
@@ -282,7 +273,7 @@ def test_kernels_with_shared_chunks_compile_for_sm90(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "[true, true, true, true]"
 
 
-def test_shared_chunks_counts_what_fits(monkeypatch):
+def test_shared_chunks_counts_what_fits():
     """n = S / I where the layout fits (V2-Lite: I = 1408 = 11 * 128, two shared experts)."""
     w13 = torch.empty(64, 2 * 1408, 2048, dtype=torch.float8_e4m3fn)
     s13 = torch.empty(64, 22, 16)
@@ -299,15 +290,3 @@ def test_shared_chunks_counts_what_fits(monkeypatch):
         shared_mod.shared_chunks(shared(2816, fp8=False, dtype=torch.bfloat16), w13, s13) == 0
     )  # other format
     assert shared_mod.shared_chunks(None, w13, s13) == 0
-    monkeypatch.setattr(shared_mod, "SHARED_FUSED", False)
-    assert shared_mod.shared_chunks(shared(2816), w13, s13) == 0
-
-
-def test_shared_switch_is_read_from_the_environment():
-    code = "import mlac.kernels.moe.shared as d; print(d.SHARED_FUSED)"
-    for value, expected in (("0", "False"), ("1", "True")):
-        env = {**os.environ, "MLAC_MOE_SHARED_FUSED": value}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        assert out.stdout.strip() == expected

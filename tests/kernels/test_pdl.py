@@ -15,6 +15,7 @@ import pytest
 import torch
 from _paths import REPO
 
+from mlac import settings
 from mlac.kernels import _triton
 
 ROOT = REPO
@@ -58,22 +59,25 @@ def test_pdl_is_off_on_cpu(fresh_switch):
     assert _triton.pdl_launch() == {"PDL": False, "launch_pdl": False}
 
 
-def test_the_switch_follows_mlac_pdl(monkeypatch, fresh_switch):
+def test_the_switch_follows_mlac_pdl(monkeypatch, setting, fresh_switch):
     monkeypatch.setattr(_triton, "pdl_supported", lambda: True)
-    monkeypatch.setattr(_triton, "PDL_REQUESTED", True)
-    assert _triton.pdl_launch() == {"PDL": True, "launch_pdl": True}
+    setting("MLAC_PDL", None)
+    assert _triton.pdl_launch() == {"PDL": True, "launch_pdl": True}  # on by default
     _triton.pdl_on.cache_clear()
-    monkeypatch.setattr(_triton, "PDL_REQUESTED", False)
+    setting("MLAC_PDL", "0")
     assert _triton.pdl_launch() == {"PDL": False, "launch_pdl": False}
 
 
 @pytest.mark.parametrize("value,requested", [(None, True), ("1", True), ("0", False)])
-def test_mlac_pdl_is_read_at_import(value, requested):
-    env = {k: v for k, v in os.environ.items() if k != _triton.PDL_ENV}
-    if value is not None:
-        env[_triton.PDL_ENV] = value
-    code = "from mlac.kernels import _triton; print(_triton.PDL_REQUESTED)"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(ROOT)},
+def test_mlac_pdl_is_read_at_first_use_not_at_import(value, requested):
+    """Importing the kernels reads no setting: a process that sets MLAC_PDL after its imports (a
+    spawned rank, node_ranks.py) launches as that value says."""
+    env = {k: v for k, v in os.environ.items() if k != "MLAC_PDL"}
+    code = (
+        "import os, sys; from mlac import settings; from mlac.kernels import _triton; v = sys.argv[1];"
+        " os.environ.update({} if v == 'unset' else {'MLAC_PDL': v}); print(settings.PDL.get())"
+    )
+    out = subprocess.run([sys.executable, "-c", code, value or "unset"], env={**env, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(requested)
@@ -178,7 +182,6 @@ def test_pdl_compiles_a_variant_of_its_own(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v3", True)])
 def test_graphs_with_pdl_give_the_logits_of_graphs_without(artifact, preset, fp8, monkeypatch, fresh_switch):
     """PDL changes when kernels start, never what they compute: the same decode steps replayed from
@@ -188,7 +191,7 @@ def test_graphs_with_pdl_give_the_logits_of_graphs_without(artifact, preset, fp8
     from mlac.runtime.engine.scheduler import SchedulerConfig
     from mlac.runtime.worker.graphs import DecodeGraphs
 
-    if not (_triton.PDL_REQUESTED and _triton.pdl_supported()):
+    if not (settings.PDL.get() and _triton.pdl_supported()):
         pytest.skip("PDL needs an sm90+ GPU (and MLAC_PDL not 0)")
     kw = dict(device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=256, cuda_graph_max_bs=8,
               scheduler=SchedulerConfig(prefix_cache=False))  # fmt: skip

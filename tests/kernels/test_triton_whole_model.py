@@ -159,15 +159,17 @@ SLOW = pytest.mark.slow  # ~10-15 s each under the interpreter
     + [("tiny-v2-lite", "bf16"), ("tiny-v2-lite", "fp8")]
     + [pytest.param(p, r, marks=SLOW) for p in ("tiny-v2", "tiny-v3") for r in ("bf16", "fp8")],
 )
-def test_whole_model_triton_matches_reference(preset, recipe, artifact, monkeypatch, launched, routes):
+def test_whole_model_triton_matches_reference(
+    preset, recipe, artifact, monkeypatch, launched, routes, setting
+):
     r = RECIPES[recipe]
     engine = Engine.from_artifact(artifact(preset, fp8=r.fp8), dtype=r.dtype)
-    monkeypatch.delenv("MLAC_FORCE_TRITON", raising=False)
+    setting("MLAC_FORCE_TRITON", None)
     routes.clear()  # the engine's own start-up steps
     ref = three_steps(engine, monkeypatch, routes)
     assert not launched  # the reference run: no Triton
     n_ref = len(routes)
-    monkeypatch.setenv("MLAC_FORCE_TRITON", "1")
+    setting("MLAC_FORCE_TRITON", "1")
     got = three_steps(engine, monkeypatch, routes)
     assert r.kernels <= launched, sorted(r.kernels - launched)
     rerouted = tokens_rerouted(routes[:n_ref], routes[n_ref:])

@@ -23,8 +23,6 @@ import torch
 from mlac.runtime.engine.engine import Engine
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
 
 PRESETS = ("tiny-v2-lite", "tiny-v2", "tiny-v3")
 BF16_BOUND = 0.3

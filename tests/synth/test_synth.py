@@ -22,7 +22,7 @@ from mlac.core.errors import MlacError
 from mlac.core.fp8 import FP8_MAX, dequantize_blocks
 from mlac.synth import PRESETS, synthesize, weight_bytes
 from mlac.synth.checkpoint import resolve_config
-from mlac.synth.tokenizer import ASSISTANT, BOS, EOS, MAX_VOCAB, USER, train_tokenizer
+from mlac.synth.tokenizer import ADDED_TOKENS, ASSISTANT, BOS, EOS, MAX_VOCAB, USER, train_tokenizer
 from mlac.synth.weights import checkpoint_params, draw_values
 
 TINY = ["tiny-v2-lite", "tiny-v2", "tiny-v3"]
@@ -343,6 +343,25 @@ def test_tokenizer(tiny):
     ids = tok.apply_chat_template(messages[1:2], tokenize=True, add_generation_prompt=False)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert ids[:2] == [0, 2] and ids.count(0) == 1  # one bos, then <｜User｜>
+
+
+def test_tokenizer_has_deepseeks_tool_and_think_tokens(tiny):
+    """The last ids are the tokens DeepSeek's tokenizers add for tool calls and thinking, not
+    special: decoded text keeps them (the parsers read them there), and each is one id."""
+    from transformers import AutoTokenizer
+
+    from mlac.runtime.serve.reasoning import CLOSE, OPEN
+    from mlac.runtime.serve.tools import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
+
+    path = tiny["tiny-v3"]
+    tok = AutoTokenizer.from_pretrained(path)
+    n = len(tok)
+    assert [tok.convert_tokens_to_ids(t) for t in ADDED_TOKENS] == list(range(n - len(ADDED_TOKENS), n))
+    assert {CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, OPEN, CLOSE} <= set(ADDED_TOKENS)
+    text = f"Hi{CALLS_BEGIN}{CALL_BEGIN}f{SEP}{{}}{CALL_END}{CALLS_END}{OPEN}x{CLOSE}"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert sum(i >= n - len(ADDED_TOKENS) for i in ids) == 7
 
 
 def test_tokenizer_is_deterministic():

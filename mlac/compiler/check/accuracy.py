@@ -188,7 +188,9 @@ def compare_logits(got: torch.Tensor, want: torch.Tensor, reference: str) -> Acc
     got, want = got.double(), want.double()
     for what, t in (("the compiled artifact", got), (reference, want)):
         if not torch.isfinite(t).all():
-            raise MlacError(f"accuracy check: {what} gives NaN or inf logits on the probe sequences; refusing the artifact")
+            raise MlacError(
+                f"accuracy check: {what} gives NaN or inf logits on the probe sequences; refusing the artifact"
+            )
     return AccuracyReport(
         status="measured",
         reference=reference,

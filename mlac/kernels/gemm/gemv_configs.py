@@ -39,12 +39,15 @@ class SkinnyConfig:
 # Measured configs, keyed by (kind, N, K, m_class): kind "bf16" (also fp16) or "fp8", m_class
 # from M_CLASSES; None where the path the skinny GEMM replaces (cuBLAS, fp8_gemm) measured faster
 # (skinny_applies then declines). bf16 shapes not here use default_config. From
-# benchmarks/bench_gemv.py on one H200 (benchmarks/results/gemv_h200.json): a config is kept where it
-# beat the baseline by >= 3% summed over the class's M; the comment gives the mean time per call,
-# skinny vs baseline. FP8: None throughout, and an FP8 shape not here does not take it either
+# benchmarks/kernels/gemv.py on one H200 (benchmarks/results/kernels_gemv_h200.json): a config is
+# kept where it beat the baseline by >= 3% summed over the class's M; the comment gives the mean time
+# per call, skinny vs baseline (bf16 in the V2-Lite decode step: 328.0 against 314.9 tok/s at batch
+# 1 with it on, H200). FP8: None throughout, and an FP8 shape not here does not take it either
 # (skinny_applies). Alone the skinny GEMM won most FP8 shapes by 3-20%, but inside the V2-Lite decode
-# step fp8_gemm on the norm's Fp8Act was faster (batch 1: 330.7 against 317.3 tok/s, batch 32 equal;
-# MLAC_SKINNY_GEMM=0 A/B in benchmarks/results/ab_pdl_skinny_h200_run.txt).
+# step fp8_gemm on the norm's Fp8Act was faster (batch 1: 330.7 against 317.3 tok/s, batch 32 equal),
+# and with the fused launches since, equal (every FP8 shape through it: 365.5 / 4,528 against
+# 367.6 / 4,526 tok/s at batch 1 / 32, benchmarks/results/kernels_mla_out_router_h200.txt). The
+# kernel keeps its FP8 form: a shape whose entry here holds a config takes it.
 _C = SkinnyConfig  # (block_n, block_k, split_k, num_warps, num_stages, dot)
 TUNED: dict[tuple[str, int, int, int], SkinnyConfig | None] = {
     ("bf16", 576, 2048, 1): _C(16, 256, 8, 4, 4, False),  # M=1: 4.36 us vs 6.05
@@ -163,13 +166,11 @@ def pick_config(kind: str, n: int, k: int, m: int, device: torch.device) -> Skin
     return tuned if tuned is not None else default_config(kind, n, k, m, sm_count(device))
 
 
-def skinny_applies(
-    x: torch.Tensor | Fp8Act, w: torch.Tensor, scale: torch.Tensor | None, fp8_everywhere: bool = False
-) -> bool:
+def skinny_applies(x: torch.Tensor | Fp8Act, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """Whether `skinny_linear` takes this product: at most MAX_ROWS rows, and dtypes it handles
     (FP8 weights with a scale; else bf16/fp16 weights with x of the same dtype), where it is the
     faster path: bf16 unless TUNED says None; FP8 only where TUNED holds a config (none today:
-    see TUNED's comment), or every FP8 shape with `fp8_everywhere` (A/B runs)."""
+    see TUNED's comment)."""
     a = x.q if isinstance(x, Fp8Act) else x
     k = a.shape[-1]
     if k == 0 or a.numel() // k > MAX_ROWS:
@@ -177,7 +178,7 @@ def skinny_applies(
     kind = "fp8" if scale is not None else "bf16"
     key = (kind, w.shape[0], k, m_class(max(1, a.numel() // k)))
     if scale is not None:  # FP8: only where TUNED holds a config (it lost inside the decode step)
-        return w.dtype == FP8 and (fp8_everywhere or TUNED.get(key) is not None)
+        return w.dtype == FP8 and TUNED.get(key) is not None
     if key in TUNED and TUNED[key] is None:
         return False  # measured slower than cuBLAS (unmeasured shapes take it)
     return not isinstance(x, Fp8Act) and w.dtype in DENSE_DTYPES and x.dtype == w.dtype

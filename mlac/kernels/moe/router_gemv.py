@@ -12,27 +12,25 @@ EXPERTS: program p computes BLOCK_E experts for all T rows, streaming its [BLOCK
 gate once (the whole gate is read once, spread over about one program per SM) and x's T rows (from
 L2) in BLOCK_D steps, as a [BLOCK_T, BLOCK_E, BLOCK_D] broadcast product on CUDA cores.
 
-Fused routing (`router_route_triton`, the kernel's ROUTE constexpr): each program stores its logits, then takes a ticket from an arrival
-counter; the program that arrives last reads the [T, E] logits back and routes the T tokens one
-after the other with moe_routing's `_route_tile` (route_ref's rule, the same code as
-`_route_kernel`), then puts the counter back to 0, so every launch and every CUDA-graph replay
-starts from 0. The counter is this module's own (one int32 per device, made before capture).
+Fused routing (`router_route_triton`, the kernel's ROUTE constexpr): each program stores its logits,
+then takes a ticket from an arrival counter; the program that arrives last reads the [T, E] logits
+back and routes the T tokens one after the other with moe_routing's `_route_tile` (route_ref's rule,
+the same code as `_route_kernel`), then puts the counter back to 0, so every launch and every
+CUDA-graph replay starts from 0. The counter is this module's own (one int32 per device, made before
+capture). `router_logits_triton` is the logits alone (ROUTE off), up to MAX_ROWS rows.
 
-Which path a token count takes is one rule, `router_plan`; the switch MLAC_ROUTER_KERNEL (read once,
-at import): unset or "1", the rule; "logits", the logits kernel but never the fused routing; "0",
-F.linear and `route` (the path before this module).
+Which path a token count takes is one rule, `router_plan`: the fused launch for up to FUSED_MAX_ROWS
+tokens, F.linear then `route` above (measured: see there).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from mlac.core.errors import MlacError
 from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, refuse_in_capture, tl, triton
 from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_quant import jit
@@ -46,38 +44,28 @@ from mlac.kernels.moe.routing import (
     route,
 )
 
-ROUTER_KERNEL_ENV = "MLAC_ROUTER_KERNEL"
-ROUTER_KERNEL: str = os.environ.get(ROUTER_KERNEL_ENV, "1")  # read once, at import
-SWITCHES = ("1", "logits", "0")
-MAX_ROWS = 16  # the largest T the logits kernel takes (F.linear above)
-FUSED_MAX_ROWS = 4  # the largest T whose routing runs inside the same launch
+MAX_ROWS = 16  # the largest T the logits kernel takes
+FUSED_MAX_ROWS = 4  # the largest T the router runs as one fused launch (router_plan)
 T_CLASSES = (1, 4, MAX_ROWS)  # BLOCK_T of a launch: the smallest class >= T (one compile each)
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-Plan = Literal["fused", "logits", "torch"]
+Plan = Literal["fused", "torch"]
 
 
-def router_plan(t: int, switch: str | None = None) -> Plan:
-    """How the router runs for t tokens on the GPU: "fused" (logits and routing, one launch),
-    "logits" (the logits kernel, then `route`) or "torch" (F.linear, then `route`).
+def router_plan(t: int) -> Plan:
+    """How the router runs for t tokens on the GPU: "fused" (logits and routing, one launch) for 1 to
+    FUSED_MAX_ROWS tokens, else "torch" (F.linear, then `route`).
 
-    Bytes and FMAs: the gate is E·D·4 bytes (V2-Lite 0.5 MB, V3 7.3 MB) read once; the product is
-    T·E·D FMAs on CUDA cores, T/4 FMAs per gate byte. An H200 does about 7 float32 FMAs per byte
-    of HBM bandwidth (34 TFMA/s, 4.8 TB/s), so up to about T = 16 (4 per byte, at the practical
-    efficiency of a broadcast product) the kernel streams the gate at memory speed; each program
-    also re-reads the T x rows from L2 (T·D·2 bytes). Above 16 rows cuBLAS (a real GEMM, the cast
-    amortized over the rows) takes over. The fused routing runs the T tokens one after the other in
-    one program (about 1 us each): worth one launch (~5 us) for up to 4 tokens, not for 16.
-    `switch`: MLAC_ROUTER_KERNEL's value (default: as read at import).
+    The gate is E·D·4 bytes (V2-Lite 0.5 MB, V3 7.3 MB), read once by either path; the kernel's
+    product runs on CUDA cores, cuBLAS's as a GEMM with the cast amortized over the rows. The fused
+    routing runs the T tokens one after the other in one program (about 1 us each). Measured, 27
+    calls in a CUDA graph, us per call: at 1 token the fused launch beat F.linear in the decode
+    step (V2-Lite batch 1 on an H200: 367.6 against 355.0 tok/s FP8,
+    benchmarks/results/kernels_mla_out_router_h200.txt); at 5 to 16 tokens the logits kernel lost to
+    F.linear at every shape measured: V3's gate 62.5 against 23.3 us on an H200 (same record), and on
+    an H100 V2-Lite's 19.2-19.4 against 11.8-12.2 us, V3's 62.6-63.3 against 21.8-24.9 us.
     """
-    switch = ROUTER_KERNEL if switch is None else switch
-    if switch not in SWITCHES:
-        raise MlacError(f"{ROUTER_KERNEL_ENV}={switch}: say 1 (default), logits or 0")
-    if switch == "0" or not 1 <= t <= MAX_ROWS:
-        return "torch"
-    if switch == "logits" or t > FUSED_MAX_ROWS:
-        return "logits"
-    return "fused"
+    return "fused" if 1 <= t <= FUSED_MAX_ROWS else "torch"
 
 
 def t_class(t: int) -> int:
@@ -302,9 +290,8 @@ def router_route_triton(
 def _plan_for(x: torch.Tensor, gate: torch.Tensor, use_triton: bool | None) -> Plan:
     """router_plan's choice where the kernel can run (Triton here, as `use_triton` or the device
     says; x of a kernel dtype; a contiguous float32 gate), else "torch"."""
-    plan = router_plan(x.shape[0])  # checks the switch on any device
     kernel_ok = x.dtype in X_DTYPES and gate.dtype == torch.float32 and gate.is_contiguous()
-    return plan if kernel_ok and _use_triton(x, use_triton) else "torch"
+    return router_plan(x.shape[0]) if kernel_ok and _use_triton(x, use_triton) else "torch"
 
 
 def gate_and_route(
@@ -316,15 +303,11 @@ def gate_and_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router: x [T, D] -> (weights [T, top_k] float32, ids [T, top_k] int64), the contract
     of route(F.linear(x.float(), gate), spec, bias). On CUDA (or `use_triton`) `router_plan` picks
-    one launch, the logits kernel then `route`, or F.linear then `route`; elsewhere the reference."""
-    plan = _plan_for(x, gate, use_triton)
-    if plan != "torch" and x.stride(-1) != 1:
-        x = x.contiguous()
-    if plan == "fused":
-        weights, ids, _ = router_route_triton(x, gate, spec, bias)
+    one fused launch or F.linear then `route`; elsewhere the reference."""
+    if _plan_for(x, gate, use_triton) == "fused":
+        weights, ids, _ = router_route_triton(x if x.stride(-1) == 1 else x.contiguous(), gate, spec, bias)
         return weights, ids
-    logits = router_logits_triton(x, gate) if plan == "logits" else router_logits_ref(x, gate)
-    return route(logits, spec, bias, use_triton=use_triton)
+    return route(router_logits_ref(x, gate), spec, bias, use_triton=use_triton)
 
 
 __all__ = [

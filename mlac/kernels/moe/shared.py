@@ -8,13 +8,16 @@ and the top-k sum adds them. Their outputs then meet the routed ones in float32 
 once, where the separate MLP rounded its output to x's dtype before that sum (and each chunk's
 GEMM2 output is rounded on its own): equal up to that, and to float32 summation order.
 
-`shared_chunks` says whether the chunks fit (else the shared MLP runs apart, `SharedExperts.mlp`);
-the switch MLAC_MOE_SHARED_FUSED=0 (read at import, for A/B runs) keeps them apart always.
+`shared_chunks` says whether the chunks fit (else the shared MLP runs apart, `SharedExperts.mlp`), and
+`shared_widens_sum` whether they would slow the fused sum. Inside, one V2-Lite MoE layer at batch 1
+took 41.8 us FP8 / 44.2 us bf16 on an H200 against 56.5 / 51.7 apart, and the decode step 367.6
+against 327.0 tok/s FP8 (benchmarks/results/kernels_moe_shared_h200.json,
+kernels_mla_out_router_h200.txt). A caller that wants the MLP apart gives fused_moe its output
+(`shared_out`) instead of `shared`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,9 +25,6 @@ import torch
 
 from mlac.core.fp8 import BLOCK
 from mlac.kernels.fp8_quant import Fp8Act
-
-# A/B switch, read once: MLAC_MOE_SHARED_FUSED=0 runs the shared experts as their own MLP at decode too.
-SHARED_FUSED = os.environ.get("MLAC_MOE_SHARED_FUSED", "1") != "0"
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,11 +46,11 @@ class SharedExperts:
 
 def shared_chunks(shared: SharedExperts | None, w13: torch.Tensor, w13_scale: torch.Tensor | None) -> int:
     """How many experts of the routed experts' intermediate I (w13 [E, 2I, D]) the decode kernels take
-    the shared experts as, or 0 where these run apart: none, MLAC_MOE_SHARED_FUSED=0, another weight
-    format, S not a multiple of I (expert parallel with the shared experts sliced finer than I), or
-    FP8 with I not a multiple of 128 (a chunk would split 128x128 scale blocks and the 128-channel
-    groups the intermediate is quantized in)."""
-    if shared is None or not SHARED_FUSED:
+    the shared experts as, or 0 where these run apart: none, another weight format, S not a multiple
+    of I (expert parallel with the shared experts sliced finer than I), or FP8 with I not a multiple
+    of 128 (a chunk would split 128x128 scale blocks and the 128-channel groups the intermediate is
+    quantized in)."""
+    if shared is None:
         return 0
     _, two_i, d = w13.shape
     i, s = two_i // 2, shared.w2.shape[-1]
@@ -65,9 +65,9 @@ def shared_chunks(shared: SharedExperts | None, w13: torch.Tensor, w13_scale: to
 
 def shared_widens_sum(top_k: int, n_shared: int) -> bool:
     """Whether n shared chunks widen the fused sum's slot tile (KPAD: top_k + n rounded up to a power
-    of two). Then the shared experts run apart: on an H200 (benchmarks/bench_moe_shared.py) a V3 slice
-    (top-8 + 1 shared, FP8) took 270.1 us with them inside (8 -> 16 slots) against 217.7 us apart, where
-    V2-Lite (top-6 + 2: 8 slots either way) took 41.8 against 56.5."""
+    of two). Then the shared experts run apart: on an H200 (benchmarks/kernels/moe_decode.py
+    --shared) a V3 slice (top-8 + 1 shared, FP8) took 270.1 us with them inside (8 -> 16 slots)
+    against 217.7 us apart, where V2-Lite (top-6 + 2: 8 slots either way) took 41.8 against 56.5."""
     return (top_k + n_shared - 1).bit_length() > (top_k - 1).bit_length()  # next powers of two differ
 
 

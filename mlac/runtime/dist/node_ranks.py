@@ -103,7 +103,8 @@ def rank_main(pipe: Connection, preload: str) -> None:
         return
     finally:
         pipe.close()
-    # HAZARD: settings read at import (MLAC_PDL, ...) were read at the spawn, with the environment the
-    # first process had then; later compiles (Triton's cache directory) read this one
+    # HAZARD: what the preload read at import (TRITON_*, ...) came from the environment the first
+    # process had at the spawn; mlac's settings (mlac/settings.py) and later compiles (Triton's cache
+    # directory) are read at first use, from this one
     os.environ.update(environ)
     target(*args, world)

@@ -30,8 +30,8 @@ Each step rank 0 sends one message of int64 (a header and a payload; step_link.e
 others (step_link.StepLink): when every rank runs on its node, through a shared-memory ring (shm_channel.py:
 microseconds; rank 0 creates it before "go", puts its name in the store under `channel`, and
 unlinks it once every rank set `attached/<r>`); else, or for a message larger than a slot, or
-with MLAC_STEP_CHANNEL=gloo, by two broadcasts over a gloo group of its own (CPU, no timeout:
-ranks wait there while the server idles). The model's collectives run on the default group
+with LaunchSpec.step_channel "gloo", by two broadcasts over a gloo group of its own (CPU, no
+timeout: ranks wait there while the server idles). The model's collectives run on the default group
 (gloo on CPU, NCCL on CUDA) with the launch timeout.
 """
 
@@ -66,7 +66,6 @@ from mlac.runtime.dist.world import (  # noqa: F401  (LaunchSpec, plan_world, la
 IDLE_TIMEOUT = timedelta(days=3650)  # followers wait for the next step as long as the server lives
 POLL_S = 0.02
 FAILURE_GRACE_S = 1.0  # after a broken collective: how long to wait for a rank to report why
-CHANNEL_ENV = "MLAC_STEP_CHANNEL"  # "shm" (default: the shared-memory channel on one node) or "gloo"
 
 log = logging.getLogger("mlac.runtime")
 
@@ -195,13 +194,11 @@ class RankGroup:
         return part
 
     def _open_link(self, gloo: dist.ProcessGroup) -> StepLink:
-        """Rank 0: the step channel of a one-node world (unless CHANNEL_ENV says gloo, or /dev/shm
+        """Rank 0: the step channel of a one-node world (unless the launch says gloo, or /dev/shm
         cannot hold it), its name in the store ("gloo" for none)."""
-        kind, w = os.environ.get(CHANNEL_ENV, "shm"), self.world
-        if kind not in ("shm", "gloo"):
-            raise MlacError(f"{CHANNEL_ENV}={kind}: say shm or gloo")
+        w = self.world
         channel = None
-        if kind == "shm" and w.local_size == w.size:
+        if w.step_channel == "shm" and w.local_size == w.size:
             try:
                 channel = ShmChannel.create(readers=w.size - 1)
             except MlacError as e:
@@ -215,7 +212,9 @@ class RankGroup:
         try:
             channel = None if name == "gloo" else ShmChannel.attach(name, reader=self.world.rank - 1)
         except MlacError as e:
-            raise MlacError(f"{e} (rank 0 sends the steps over gloo with {CHANNEL_ENV}=gloo)") from e
+            raise MlacError(
+                f"{e} (rank 0 sends the steps over gloo with LaunchSpec(step_channel='gloo'))"
+            ) from e
         self.ctl.set(f"attached/{self.world.rank}", "1")
         return StepLink(gloo, channel, self._rank_0_alive)
 

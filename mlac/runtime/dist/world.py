@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from mlac.core.errors import MlacError
 from mlac.runtime.dist.node_ranks import NodeRanks
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from mlac.core.artifact import ParallelPlan
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+StepChannel = Literal["shm", "gloo"]
+STEP_CHANNELS = ("shm", "gloo")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class LaunchSpec:
     where node 0's rank 0 listens. `timeout_s` bounds the start (meeting and loading) and each
     collective. `ranks`: this node's other ranks, spawned already (start_node_ranks), that the
     launch hands their work to instead of spawning them; whoever spawned them closes them (a
-    no-op once handed over)."""
+    no-op once handed over). `step_channel`: how rank 0 sends each step when every rank runs on
+    its node: "shm", the shared-memory ring (shm_channel.py), or "gloo", the broadcast that
+    several nodes need (tests run one node's steps that way too); across nodes always gloo."""
 
     nnodes: int = 1
     node_rank: int = 0
@@ -41,6 +45,11 @@ class LaunchSpec:
     master_port: int = 29500
     timeout_s: float = 600.0
     ranks: NodeRanks | None = field(default=None, compare=False, repr=False)
+    step_channel: StepChannel = "shm"
+
+    def __post_init__(self) -> None:
+        if self.step_channel not in STEP_CHANNELS:
+            raise MlacError(f"step_channel={self.step_channel!r}: say shm or gloo")
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class World:
     master_port: int  # 0: rank 0's store picks a free port (one node)
     timeout_s: float = 600.0
     torchrun: bool = False
+    step_channel: StepChannel = "shm"  # LaunchSpec.step_channel: rank 0's choice on one node
 
     @property
     def spawns_local_ranks(self) -> bool:
@@ -74,7 +84,8 @@ def plan_world(
     plan: ParallelPlan, launch: LaunchSpec | None = None, env: Mapping[str, str] = os.environ
 ) -> World:
     """This process's place in the world the artifact needs; refuse a launch that does not fit it."""
-    need, timeout = plan.world_size, (launch or LaunchSpec()).timeout_s
+    launch = launch or LaunchSpec()
+    need, timeout, channel = plan.world_size, launch.timeout_s, launch.step_channel
     ranks = f"tp={plan.tp} ({need} rank{'s' if need > 1 else ''})"
     if all(k in env for k in TORCHRUN_ENV):
         size, rank, local_rank = int(env["WORLD_SIZE"]), int(env["RANK"]), int(env["LOCAL_RANK"])
@@ -84,17 +95,16 @@ def plan_world(
             raise MlacError(f"RANK={rank} out of range for WORLD_SIZE={size}")
         local_size = int(env.get("LOCAL_WORLD_SIZE", size))
         addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        return World(rank, size, local_rank, local_size, addr, port, timeout, torchrun=True)
-    launch = launch or LaunchSpec()
+        return World(rank, size, local_rank, local_size, addr, port, timeout, True, channel)
     if launch.nnodes < 1 or not 0 <= launch.node_rank < launch.nnodes:
         raise MlacError(f"node rank {launch.node_rank} out of range for {launch.nnodes} node(s)")
     if need % launch.nnodes:
         raise MlacError(f"artifact compiled for {ranks} cannot be split evenly over {launch.nnodes} nodes")
     local = need // launch.nnodes
     if launch.nnodes == 1:
-        return World(0, need, 0, local, "127.0.0.1", 0, timeout)
+        return World(0, need, 0, local, "127.0.0.1", 0, timeout, step_channel=channel)
     rank0 = launch.node_rank * local
-    return World(rank0, need, 0, local, launch.master_addr, launch.master_port, timeout)
+    return World(rank0, need, 0, local, launch.master_addr, launch.master_port, timeout, step_channel=channel)
 
 
 def launches_rank_0(launch: LaunchSpec | None = None, env: Mapping[str, str] = os.environ) -> bool:

@@ -1,7 +1,8 @@
 """Structured output: grammar-constrained sampling through llguidance.
 
-A request's SamplingParams may carry a GrammarSpec: a JSON schema, any JSON object, or a Lark
-grammar (which may embed JSON schemas as `%json{...}`). The engine's Grammars compiles each
+A request's SamplingParams may carry a GrammarSpec: a JSON schema, any JSON object, a regular
+expression (the whole output matches it), or a Lark grammar (which may embed JSON schemas as
+`%json{...}`). The engine's Grammars compiles each
 distinct spec once (a small LRU) and gives every sequence its own Matcher, a copy of the compiled
 one. Each step, `mask_logits` computes on the CPU the tokens each constrained row may take next
 (one bit per token) and sets the others to -inf on the logits' device; after sampling, the
@@ -33,8 +34,8 @@ from mlac.core.errors import MlacError
 if TYPE_CHECKING:
     from mlac.runtime.engine.tokenizer import Tokenizer
 
-GrammarKind = Literal["json_object", "json_schema", "lark"]
-KINDS = ("json_object", "json_schema", "lark")
+GrammarKind = Literal["json_object", "json_schema", "regex", "lark"]
+KINDS = ("json_object", "json_schema", "regex", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object
 MAX_ERROR_CHARS = 400  # of llguidance's message in a 400
@@ -61,7 +62,7 @@ def _first_line(error: str) -> str:
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a completion must match. `source`: the JSON schema as a JSON string (json_schema),
-    "" (json_object: any JSON object), or a Lark grammar's text (lark)."""
+    "" (json_object: any JSON object), a regular expression (regex), or a Lark grammar's text (lark)."""
 
     kind: GrammarKind
     source: str
@@ -81,6 +82,8 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
 
     if spec.kind == "lark":
         return LLMatcher.grammar_from_lark(spec.source)
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.source)
     source = spec.source if spec.kind == "json_schema" else ANY_OBJECT
     try:
         schema = json.loads(source)

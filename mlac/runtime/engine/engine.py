@@ -33,6 +33,8 @@ from mlac.kernels.gemm.gemv_configs import DENSE_DTYPES
 from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
 from mlac.runtime.engine.constrain import Grammars
 from mlac.runtime.engine.options import EngineOptions
+from mlac.runtime.engine.penalties import Penalties, check_logit_bias
+from mlac.runtime.engine.prompt_logprobs import check_prompt_logprobs
 from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from mlac.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from mlac.runtime.engine.sequence import Delta, FinishReason
@@ -40,7 +42,7 @@ from mlac.runtime.engine.sequence import Sequence as Seq
 from mlac.runtime.engine.spec.decode import check_spec
 from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.kvcache.shared_prefix import step_sums
-from mlac.runtime.model.attention import ABSORBED_MAX_Q_LEN, SHARED_PREFIX, prefer_shared
+from mlac.runtime.model.attention import ABSORBED_MAX_Q_LEN, prefer_shared
 from mlac.runtime.model.layers import Linear, Weights
 from mlac.runtime.model.model import DeepseekModel, MoE
 from mlac.runtime.model.parallel import ParallelLMHead
@@ -62,6 +64,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), when asked
 
 
 def is_one_prompt(prompt: object) -> bool:
@@ -125,7 +128,9 @@ class Engine:
         rt = options.runtime
         # the one check of a valid artifact (core/validity.py; the bytes are hashed as each rank reads
         # them), and its signature when required: before anything loads
-        checked = check_artifact(path, hashes=False, identity_required=rt.verify, public_key=rt.require_signature)
+        checked = check_artifact(
+            path, hashes=False, identity_required=rt.verify, public_key=rt.require_signature
+        )
         manifest = checked.manifest
         use_kernel_cache(checked, rt.device, rt.kernel_cache, rt.verify, public_key=rt.require_signature)
         spec = options.scheduler.speculative_num_steps
@@ -260,14 +265,15 @@ class Engine:
         return ran + self._warm_shared_prefix()
 
     def _warm_shared_prefix(self) -> list[tuple[int, int]]:
-        """The shared-prefix extend's kernel (attention_forms.extend_shared): a prompt cached, then,
+        """The shared-prefix extend's kernel (attention.extend_shared): a prompt cached, then,
         in one step, sequences after it with tails of their own and one sequence that shares
         nothing. The prefix is doubled from two blocks until prefer_shared takes the cascade for that
         step, and the step has more rows than the CUDA graphs take (a step of at most their largest
         bucket replays a graph instead). Returns [(sequences, tokens of the longest)], empty
-        without the prefix cache or the cascade, or when no such step fits."""
+        without the prefix cache or the cascade (ModelOptions.shared_prefix), or when no such step
+        fits."""
         limits, alloc, vocab = self.scheduler_config, self.pool.allocator, self.config.vocab_size
-        if not (limits.prefix_cache and SHARED_PREFIX):
+        if not (limits.prefix_cache and self.runner.model.options.shared_prefix):
             return []
         attn = self.runner.model.layers[0].attn
         graphs, tail = self.runner.graphs, ABSORBED_MAX_Q_LEN
@@ -327,17 +333,23 @@ class Engine:
             return [int(t) for t in prompt.tolist()]
         return [int(t) for t in prompt]
 
-    def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Seq:
-        """A validated request for a Scheduler (prompt in range, stop strings need a tokenizer, a
-        grammar compiles: constrain.InvalidGrammar, whose `param` names response_format)."""
+    def new_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Seq:
+        """A validated request for a Scheduler (prompt in range, stop strings need a tokenizer,
+        logit_bias in the vocabulary, no prompt_logprobs under speculative decoding, a grammar
+        compiles: constrain.InvalidGrammar, whose `param` names response_format). `request_id`: the
+        server's name of the request (its log lines)."""
         ids = self.encode_prompt(prompt)
         self._check_prompt(ids)
         if params.stop and self.tokenizer is None:
             raise MlacError("stop strings need a tokenizer; this engine has none")
         detok = self.tokenizer.detokenizer(ids) if self.tokenizer is not None else None
+        check_logit_bias(params, self.config.vocab_size)
+        check_prompt_logprobs(params, self.scheduler_config.speculative_num_steps)
         matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         generator = make_generator(params.seed, self.device)
-        return Seq(next(self._seq_ids), ids, params, generator, detok, matcher)
+        penalties = Penalties.of(params, ids, self.config.eos_token_ids)
+        return Seq(next(self._seq_ids), ids, params, generator, detok, matcher, penalties=penalties,
+                   request_id=request_id)  # fmt: skip
 
     def scheduler(self, config: SchedulerConfig | None = None) -> Scheduler:
         """A fresh continuous-batching scheduler over this engine's runner and cache."""
@@ -371,7 +383,8 @@ class Engine:
         """Complete one prompt (-> Completion) or a batch of prompts (-> [Completion]) through the
         continuous-batching scheduler. Sampling comes from `sampling_params` (one for all, or one
         per prompt) or from SamplingParams keyword arguments (max_tokens=16, temperature=0.0 i.e.
-        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs). A prompt
+        greedy, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, presence_penalty,
+        frequency_penalty, repetition_penalty, logit_bias, min_tokens, prompt_logprobs). A prompt
         that failed in the engine alone (Sequence.fail) raises MlacError once the others finished."""
         one = is_one_prompt(prompts)
         batch = [prompts] if one else list(prompts)
@@ -420,6 +433,5 @@ class Engine:
     @staticmethod
     def _completion(s: Seq) -> Completion:
         logprobs = list(s.logprobs) if s.params.logprobs is not None else None
-        return Completion(
-            s.text(), list(s.output_ids), s.finish_reason, len(s.prompt_ids), len(s.output_ids), logprobs
-        )
+        return Completion(s.text(), list(s.output_ids), s.finish_reason, len(s.prompt_ids), len(s.output_ids),
+                          logprobs, s.prompt_logprobs)  # fmt: skip

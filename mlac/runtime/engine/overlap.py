@@ -3,7 +3,8 @@
 Without it a decode step is serial: schedule, build the Step, launch, sample, wait for the ids
 (`.tolist()`), append each token (detokenize, stop strings, eos, max_tokens): the device idles
 through everything but the launch. With it, a pure decode step whose every row samples without
-the host (no grammar: temperature, top-k/p, min-p, seeds and logprobs are device ops) is launched,
+the host (no grammar: temperature, top-k/p, min-p, seeds, logprobs and the penalties, whose
+counts grow on the device (penalties.py), are device ops) is launched,
 sampled on the device and its ids (and logprobs) copied to pinned host memory behind an event:
 the step is *in flight* (`Flight`). The next `Scheduler.step()` then, in the steady state:
 
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mlac.runtime.engine.penalties import PenaltyStep
 from mlac.runtime.engine.sampling import logprob_tensors, read_logprobs, sample_apart, to_device
 from mlac.runtime.step import Step
 
@@ -151,7 +153,11 @@ class Overlap:
         """Run `step` (token ids from `ids` [B] on the device when given), sample on the device,
         start the copies to the host. Counts each row's token as computed."""
         logits = self.runner.run_decode(step, ids)  # [B, V] (the graphs' view: sampled before the next step)
-        tokens, errors = sample_apart(logits, [s.params for s in seqs], [s.generator for s in seqs])  # [B]
+        penalized = PenaltyStep.of([s.penalties for s in seqs], logits)  # counts grow on the device
+        shaped = logits if penalized is None else penalized.apply(logits)
+        tokens, errors = sample_apart(shaped, [s.params for s in seqs], [s.generator for s in seqs])  # [B]
+        if penalized is not None:
+            penalized.count(tokens)  # a failed row's placeholder too: that row ends
         lps = logprob_tensors(logits, tokens, [s.params.logprobs for s in seqs])
         host, done = to_host([tokens, *(lps or ())])
         for s in seqs:

@@ -1,5 +1,6 @@
 """Sampling parameters (validated, frozen) and the sampler: greedy, temperature, top-k, top-p, min-p,
-and log-probabilities with top alternatives.
+and log-probabilities with top alternatives. The penalties, logit_bias and min_tokens change a
+row's logits before all of this (penalties.py).
 
 Each request may carry a seed: its own torch.Generator then makes the same request give the same
 tokens whatever else shares the batch (a row's filters and its draw depend only on its own logits
@@ -12,7 +13,7 @@ and the filters), as vLLM and OpenAI report them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,15 @@ class SamplingParams:
     token, its log-probability and the n most likely alternatives (None: no logprobs).
     `grammar` constrains the completion to a JSON schema, any JSON object or a Lark grammar
     (constrain.py): it ends, finish_reason "stop", when the grammar is complete.
+
+    As vLLM's (penalties.py): `presence_penalty` and `frequency_penalty` (in [-2, 2]) lower the
+    logits of tokens already generated, once or per time generated; `repetition_penalty` (> 0,
+    1 off) divides the positive logits, and multiplies the negative ones, of tokens in the prompt
+    or generated; `logit_bias` ({token id: bias in [-100, 100]}, kept as sorted pairs) is added
+    to the logits; `min_tokens` (<= max_tokens) holds back eos (unless ignore_eos), the stop
+    token ids and the stop strings until that many tokens were generated. `prompt_logprobs` = n
+    returns each prompt token's log-probability (but the first's) and its n most likely
+    alternatives (prompt_logprobs.py).
     """
 
     max_tokens: int = 16
@@ -70,11 +80,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         lp, seed = self.logprobs, self.seed
         checks = [
             (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
@@ -95,6 +113,7 @@ class SamplingParams:
             ),
             (lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS), "logprobs", f"in [0, {MAX_LOGPROBS}]"),
             (self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar", "a GrammarSpec"),
+            *self._penalty_checks(),
         ]
         for ok, name, want in checks:
             if not ok:
@@ -103,6 +122,21 @@ class SamplingParams:
                     f"sampling parameter {name}={value!r}: must be {want}", param=name
                 )
         self._cap_to_kernels()
+
+    def _penalty_checks(self) -> list[tuple[bool, str, str]]:
+        """(holds, field, what it must be) of the penalties, logit_bias, min_tokens, prompt_logprobs."""
+        plp = self.prompt_logprobs
+        return [
+            (_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
+            (_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "in [-2, 2]"),
+            (_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "> 0 (1: off)"),
+            (all(_is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias", "{token id >= 0: bias in [-100, 100]}"),
+            (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"an integer in [0, max_tokens={self.max_tokens}]"),
+            (plp is None or (_is_int(plp) and 0 <= plp <= MAX_LOGPROBS), "prompt_logprobs", f"in [0, {MAX_LOGPROBS}]"),
+        ]  # fmt: skip
 
     def _cap_to_kernels(self) -> None:
         """Values inside the accepted range that the kernels cannot honour as given, mapped to what
@@ -113,6 +147,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty, logit_bias or min_tokens changes this request's logits (penalties.py)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+            or self.logit_bias or self.min_tokens
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -121,6 +163,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    rank: int | None = None  # of token_id in its distribution, 1 the most likely (prompt logprobs)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

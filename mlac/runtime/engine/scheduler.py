@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.dp_route import route
 from mlac.runtime.engine.overlap import Overlap, can_overlap, on_by_default
+from mlac.runtime.engine.prompt_logprobs import every_token, score_prompts
 from mlac.runtime.engine.sequence import Sequence, sample_next, shares_past, unique
 from mlac.runtime.engine.spec.decode import SpecDecoder
 from mlac.runtime.step import Step
@@ -305,7 +306,7 @@ class Scheduler:
             seq.dp_rank = route(self.pools, seq.tokens(0, seq.num_tokens), need, self.prefix is not None)
         pool = self.pools[seq.dp_rank]
         alloc = pool.allocator
-        if self.prefix is not None:
+        if self.prefix is not None and seq.params.prompt_logprobs is None:  # those are prefilled whole
             seq.prefix = pool.prefix.match(
                 seq.tokens(0, seq.num_tokens), (seq.num_tokens - 1) // alloc.block_size
             )
@@ -364,8 +365,11 @@ class Scheduler:
         seqs = [s for s, _ in plan]
         chunks = [s.tokens(s.num_computed, s.num_computed + n) for s, n in plan]
         ranks = [s.dp_rank for s in seqs] if len(self.pools) > 1 else []
-        step = Step.of(chunks, [s.num_computed for s in seqs], [s.block_table for s in seqs], ranks=ranks)
-        logits = self.runner.run(step)  # [B, V]: each sequence's last new token
+        every = every_token(plan)  # a sequence asks for its prompt's logprobs (prompt_logprobs.py)
+        step = Step.of(chunks, [s.num_computed for s in seqs], [s.block_table for s in seqs], every, ranks)
+        logits = self.runner.run(step)  # [B, V]: each sequence's last new token ([T, V] if every)
+        if every:
+            logits = score_prompts(plan, logits)
         for s, n in plan:
             s.num_computed += n
             if s.prefix is not None and s.num_computed - n < len(s.prompt_ids) <= s.num_computed:

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from mlac.runtime.engine.constrain import Matcher, mask_logits
+from mlac.runtime.engine.penalties import Penalties, PenaltyStep
 from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, sample_apart, token_logprobs
 from mlac.runtime.engine.tokenizer import IncrementalDetokenizer
 from mlac.runtime.kvcache.radix import Node
@@ -39,6 +40,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int  # so far
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
 
 
 @dataclass(eq=False)
@@ -51,6 +53,8 @@ class Sequence:
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     matcher: Matcher | None = None  # its grammar's state when params.grammar is set (constrain.py)
+    penalties: Penalties | None = None  # its token counts when params.penalized (penalties.py)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked (prompt_logprobs.py)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -62,6 +66,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     prefix: Node | None = None  # its matched prefix-cache node while it holds blocks
     dp_rank: int = 0  # DP attention: the rank whose KV cache holds its blocks (Scheduler.pools)
+    request_id: str | None = None  # the server's name of it (X-Request-Id), for its log lines
     error: str | None = None  # why it failed alone (Sequence.fail): its request's error
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -118,8 +123,9 @@ class Sequence:
         if self.matcher is not None:
             self.matcher.advance(token)
         new = self.detok.add(token) if self.detok is not None else ""
-        if new and self.params.stop:
-            self.stop_at = find_stop(self.detok.text, len(new), self.params.stop)
+        p = self.params
+        if new and p.stop and len(self.output_ids) >= p.min_tokens:  # min_tokens holds stop strings back too
+            self.stop_at = find_stop(self.detok.text, len(new), p.stop)
 
     def fail(self, error: BaseException) -> None:
         """End this sequence alone (finish_reason "error"): something done for its row alone raised.
@@ -146,6 +152,7 @@ class Sequence:
         new_text = text[self._sent_chars :]
         self._sent_chars = max(self._sent_chars, len(text))
         ids, lps = self.output_ids[self._sent_tokens :], self.logprobs[self._sent_tokens :]
+        first = self._sent_tokens == 0 and bool(ids)  # the prompt's logprobs travel with it
         self._sent_tokens = len(self.output_ids)
         return Delta(
             self.seq_id,
@@ -156,6 +163,7 @@ class Sequence:
             len(self.prompt_ids),
             len(self.output_ids),
             self.num_cached_tokens,
+            self.prompt_logprobs if first else None,
         )
 
 
@@ -185,11 +193,16 @@ def unique(seqs: list[Sequence]) -> list[Sequence]:
 
 def sample_next(seqs: list[Sequence], logits: torch.Tensor, eos_ids: Seq[int], max_context: int) -> None:
     """Sample one token per sequence from its logits [B, V] and append it (with its logprobs). A
-    sequence with a grammar samples among the tokens it allows; its logprobs are the model's.
-    A row whose mask or draw raises fails its sequence alone (`Sequence.fail`); the others get
-    the tokens they would have got without it."""
+    sequence with a grammar samples among the tokens it allows, one with penalties from its
+    penalized logits; its logprobs are the model's. A row whose mask or draw raises fails its
+    sequence alone (`Sequence.fail`); the others get the tokens they would have got without it."""
     masked, failed = _mask_apart(logits, [s.matcher for s in seqs])
+    penalized = PenaltyStep.of([s.penalties for s in seqs], masked)
+    if penalized is not None:
+        masked = penalized.apply(masked)
     tokens, errors = sample_apart(masked, [s.params for s in seqs], [s.generator for s in seqs])
+    if penalized is not None:
+        penalized.count(tokens)  # a failed row's placeholder too: that sequence ends
     lps = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
     failed.update(errors)
     for j, (s, t, lp) in enumerate(zip(seqs, tokens.tolist(), lps, strict=True)):

@@ -1,8 +1,8 @@
 """The block allocator of a paged KV cache: a free list of block ids of `block_size` tokens.
 
-    table = []
-    allocator.reserve(table, n_tokens)   # before a step: grow the sequence's table (all or nothing)
-    allocator.free(table)                # when it ends
+table = []
+allocator.reserve(table, n_tokens)   # before a step: grow the sequence's table (all or nothing)
+allocator.free(table)                # when it ends
 """
 
 from __future__ import annotations

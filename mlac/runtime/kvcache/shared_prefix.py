@@ -4,7 +4,7 @@ After prefix-cache hits, the sequences of one prefill step often begin with the 
 blocks: a system prompt that every request repeats. The plain extend attends each sequence to its
 own copy of those tokens, so a step of 32 requests after a 2,000-token system prompt gathers the
 prompt's latents 32 times and, in the absorbed form, scores them at 576 + 512 dims per pair.
-With the shared prefix found (attention_forms.extend_shared, "cascade" attention):
+With the shared prefix found (model/attention.extend_shared, "cascade" attention):
 - the step's key/value rows are the prefix once, then every sequence's tokens past it;
 - they are decompressed once into the MHA form (192 / 128 dims per pair);
 - one attention launch takes each sharer over the prefix (unmasked: it precedes every new token)
@@ -34,7 +34,7 @@ class SharedPrefix:
     sharers: the sharing sequences' indices in the step (at least two).
     num_rows: Q, the sharers' new tokens.
     rest_ctx_lens: [B] each sequence's cached tokens past the prefix (ctx_len - P for a sharer).
-    sums: `step_sums` of the step, what attention_forms.prefer_shared weighs (once per step, not per layer).
+    sums: `step_sums` of the step, what model/attention.prefer_shared weighs (once per step, not per layer).
     kv_slots: the slots of the step's key/value rows: the prefix's P, then every sequence's
       tokens past it (all of its tokens when it does not share), packed.
     cu_seqlens_kv: [B + 1] int32, where each sequence's own rows start in them (after the P).

@@ -18,23 +18,23 @@ Decode (one new token per sequence) always runs absorbed, over the paged cache: 
 Its last head_bmm merges mla_decode's split-KV partials while loading them and, for an FP8 o_proj,
 quantizes its own output (kernels/head_bmm.py): 3 launches (head_bmm, split-KV attention, head_bmm)
 where there were up to 5 (+ the split merge when num_splits > 1, + o_proj's act_quant when FP8).
-MLAC_FUSED_MLA_OUT=0 (read once, at import) gives the separate merge and act_quant launches back.
-The merge moves into head_bmm only up to FUSED_MERGE_MAX_SPLITS splits (see there).
+The merge moves into head_bmm only up to FUSED_MERGE_MAX_SPLITS splits (see there); `fuse_out`
+False (ModelOptions.fused_mla_out, for tests) gives the separate merge and act_quant launches back.
 Decode rows of one sequence (a flattened extend, a speculative verify: graphs.py) may run
 grouped (`row_groups`, kernels/attention/mla_decode.py): one program per group loads each KV tile
-once for all its rows. The CUDA graphs choose the form per step (mla_decode_plan.prefer_row_groups);
-MLAC_MLA_ROW_GROUPS=0 (read once, at import) keeps every step per-row (an end-to-end A/B).
+once for all its rows. The CUDA graphs choose the form per step (mla_decode_plan.prefer_row_groups):
+64 rows after 2,000 cached tokens 50.1 against 91.2 us per row, 4 verify rows 20.0 against 26.3 us
+(H200, benchmarks/results/kernels_mla_rows_h200.json).
 
 Sequences of an extend step that share cached blocks (prefix-cache hits on one system prompt,
-runtime/shared_prefix.py) attend to them in one launch (`extend_shared`, cascade attention), in
+kvcache/shared_prefix.py) attend to them in one launch (`extend_shared`, cascade attention), in
 the MHA form: the prefix's latents are read and decompressed once, however many sequences share
-it, and each sharer attends to them and then to its own tokens. `prefer_shared` is the rule;
-MLAC_SHARED_PREFIX=0 (read once, at import) turns it off.
+it, and each sharer attends to them and then to its own tokens. `prefer_shared` is the rule, where
+ModelOptions.shared_prefix is on (the default; off for tests that compare the plain extend).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -47,14 +47,11 @@ from mlac.kernels.attention.mla_decode_plan import decode_num_splits
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.runtime.kvcache.shared_prefix import SharedPrefix
 
-FUSED_MLA_OUT: bool = os.environ.get("MLAC_FUSED_MLA_OUT") != "0"  # read once, at import
-ROW_GROUPS: bool = os.environ.get("MLAC_MLA_ROW_GROUPS") != "0"  # read once, at import
-SHARED_PREFIX: bool = os.environ.get("MLAC_SHARED_PREFIX") != "0"  # read once, at import
 # head_bmm's merge reloads every used split's partials for each of its K steps. On an H200
-# (benchmarks/bench_mla_out.py, V2-Lite, benchmarks/results/fused_ab_h200_run.txt) it beat the merge
-# launch at 8 splits (batch 32, 256 tokens: 24.4 against 27.0 us) and lost at 32-64 splits (batch 1,
-# 256 tokens: 21.6 against 17.0 us; in the decode step 367.6 against 389.1 tok/s, FP8): more splits merge
-# in their own launch.
+# (benchmarks/kernels/mla_out.py, V2-Lite, benchmarks/results/kernels_mla_out_router_h200.txt) it
+# beat the merge launch at 8 splits (batch 32, 256 tokens: 24.4 against 27.0 us) and lost at 32-64
+# splits (batch 1, 256 tokens: 21.6 against 17.0 us; in the decode step 367.6 against 389.1 tok/s,
+# FP8): more splits merge in their own launch.
 FUSED_MERGE_MAX_SPLITS = 8
 
 # Largest kv-weighted mean of new tokens per sequence for which the absorbed form is chosen.
@@ -175,20 +172,23 @@ def decode_absorbed(
     w_vc: torch.Tensor,  # [H, C, v]
     quant_out: bool = False,
     row_groups: torch.Tensor | None = None,  # [2, B] int32: the grouped form (mla_decode)
+    fuse_out: bool = True,
 ) -> torch.Tensor | Fp8Act:  # [B, H·v]
     """Absorbed decode, one new token per sequence: q_lat = q_nope·w_kc, MQA over the paged latents,
     o = o_lat·w_vc, flattened to o_proj's input [B, H·v]. `quant_out` (o_proj is FP8) returns its
-    `Fp8Act` instead: the bits o_proj's own act_quant would give (made by head_bmm when
-    FUSED_MLA_OUT and v % 128 == 0, else o_proj quantizes the tensor returned). `row_groups`:
-    rows of one sequence attend in groups (mla_decode's grouped form; same result)."""
+    `Fp8Act` instead: the bits o_proj's own act_quant would give (made by head_bmm when `fuse_out`
+    and v % 128 == 0, else o_proj quantizes the tensor returned). `fuse_out`: head_bmm merges the
+    split-KV partials (up to FUSED_MERGE_MAX_SPLITS splits) and quantizes; False: the merge kernel
+    and act_quant apart. `row_groups`: rows of one sequence attend in groups (mla_decode's grouped
+    form; same result)."""
     q_lat = head_bmm(q_nope, w_kc)  # [B, H, C] contiguous
     splits = decode_num_splits(q_lat, kv_cache, block_tables, grouped=row_groups is not None)
-    fuse_merge = FUSED_MLA_OUT and splits <= FUSED_MERGE_MAX_SPLITS
+    fuse_merge = fuse_out and splits <= FUSED_MERGE_MAX_SPLITS
     o_lat = mla_decode(
         q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale,
         merge=not fuse_merge, num_splits=splits, row_groups=row_groups,
     )  # fmt: skip
-    quant_out = quant_out and FUSED_MLA_OUT and w_vc.shape[-1] % BLOCK == 0
+    quant_out = quant_out and fuse_out and w_vc.shape[-1] % BLOCK == 0
     o = head_bmm(o_lat, w_vc, quant_out=quant_out)  # [B, H, v] (o_lat may be SplitKV partials)
     return o if quant_out else o.flatten(1)
 
@@ -196,9 +196,6 @@ def decode_absorbed(
 __all__ = [
     "ABSORBED_MAX_Q_LEN",
     "FUSED_MERGE_MAX_SPLITS",
-    "FUSED_MLA_OUT",
-    "ROW_GROUPS",
-    "SHARED_PREFIX",
     "decode_absorbed",
     "extend_absorbed",
     "extend_mha",

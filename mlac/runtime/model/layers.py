@@ -7,7 +7,6 @@ tensor contract (artifacts/README.md). Nothing here transforms a weight: the com
 from __future__ import annotations
 
 import enum
-import os
 
 import torch
 import torch.nn.functional as F
@@ -64,12 +63,6 @@ def take_weight(weights: Weights, name: str) -> tuple[torch.Tensor, torch.Tensor
     return w, scale
 
 
-# MLAC_SKINNY_GEMM (read once, at import), for A/B runs: 0 turns the skinny decode GEMM off; fp8 also
-# sends every FP8 weight's decode GEMM to it (by default only the shapes TUNED holds: none today).
-SKINNY_GEMM = os.environ.get("MLAC_SKINNY_GEMM", "1") != "0"
-SKINNY_FP8 = os.environ.get("MLAC_SKINNY_GEMM") == "fp8"
-
-
 class Linear(nn.Module):
     """y = x @ W.T, dispatching on the stored format of W, and on the row count.
 
@@ -79,8 +72,8 @@ class Linear(nn.Module):
     produced it): same bits, one quantizing launch fewer.
 
     Decode-sized inputs (at most 16 rows, M = x.numel() // K) on the Triton path (CUDA) run
-    through the skinny GEMM instead (kernels/gemm/gemv.py: one launch that streams W, same numerics
-    up to summation order), unless MLAC_SKINNY_GEMM=0 was set when this module was imported. M is
+    through the skinny GEMM instead where gemv_configs.skinny_applies says it is the faster path
+    (kernels/gemm/gemv.py: one launch that streams W, same numerics up to summation order). M is
     fixed per CUDA-graph bucket, so the choice is fixed at capture.
     """
 
@@ -106,7 +99,7 @@ class Linear(nn.Module):
     def _skinny(self, x: torch.Tensor | Fp8Act) -> bool:
         """Whether x goes to the skinny GEMM (the one place that decides)."""
         a = x.q if isinstance(x, Fp8Act) else x
-        return SKINNY_GEMM and skinny_applies(x, self.weight, self.scale, SKINNY_FP8) and use_triton(a)
+        return skinny_applies(x, self.weight, self.scale) and use_triton(a)
 
 
 class Reads(enum.Enum):

@@ -3,10 +3,10 @@
 Shapes: T packed new tokens of a step, B sequences, S cached tokens of a sequence, H heads,
 D hidden, C = kv_lora (latent), R = rope dims, `nope`/`v` per-head dims.
 
-Attention reads and writes the paged latent cache (kv_cache.py): each token caches
+Attention reads and writes the paged latent cache (kvcache/paged.py): each token caches
 `kv_norm(latent) ‖ rope(k_rope)` [C + R]. Decode stays in latent space (absorbed form: MQA over the
 latents); prefill/extend picks per step between that and decompressing K and V per head from the
-latents (MHA form), whichever is cheaper (attention_forms.py).
+latents (MHA form), whichever is cheaper (attention.py).
 
 Parallel (parallel.py, slices as the shard pass cut them): each of the tp ranks runs
 `n_local_heads = H / tp` heads and its slice of every MLP, and either a slice of every routed
@@ -37,7 +37,6 @@ from mlac.kernels.moe.shared import SharedExperts
 from mlac.runtime.kvcache.batch import ForwardBatch
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.model.attention import (
-    SHARED_PREFIX,
     decode_absorbed,
     extend_absorbed,
     extend_mha,
@@ -47,6 +46,7 @@ from mlac.runtime.model.attention import (
 )
 from mlac.runtime.model.dp_attention import TokenExchange
 from mlac.runtime.model.layers import Linear, Reads, RMSNorm, RotaryEmbedding, Weights, reads_of, take_weight
+from mlac.runtime.model.options import DEFAULTS, ModelOptions
 from mlac.runtime.model.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -61,7 +61,8 @@ LATENT_NORM_EPS = 1e-6  # q_norm / kv_norm: transformers' q_a_layernorm / kv_a_l
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention of one layer: this rank's heads, `wo` all-reduced over the ranks."""
+    """Multi-head latent attention of one layer: this rank's heads, `wo` all-reduced over the ranks;
+    the forms it runs as `options` says."""
 
     def __init__(
         self,
@@ -70,10 +71,12 @@ class MLAttention(nn.Module):
         layer: int,
         ctx: ParallelContext = SINGLE,
         prefix: str = "",
+        options: ModelOptions = DEFAULTS,
     ):
         super().__init__()
         p = f"{prefix or f'layers.{layer}'}.attn"
         self.layer = layer
+        self.options = options
         self.n_local_heads = ctx.local(config.num_attention_heads, "num_attention_heads")
         self.nope, self.rope, self.v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora = config.kv_lora_rank
@@ -139,15 +142,16 @@ class MLAttention(nn.Module):
         return decode_absorbed(
             q_nope, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale, kv_scale,
             self.w_kc, self.w_vc, quant_out=self.wo.fp8, row_groups=batch.row_groups,
+            fuse_out=self.options.fused_mla_out,
         )  # fmt: skip
 
     def extend(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
     ) -> torch.Tensor:
         """Prefill, or extend after a cached prefix, causal -> [T, H_local, v]: over every sequence's
-        cached latents (prefix and new tokens), in the cheaper exact form (attention_forms.py); a
+        cached latents (prefix and new tokens), in the cheaper exact form (attention.py); a
         prefix that several sequences share is attended to once for all of them (extend_shared)."""
-        shared = batch.shared if SHARED_PREFIX else None
+        shared = batch.shared if self.options.shared_prefix else None
         if shared is not None and prefer_shared(shared.length, shared.sums, self.w_kc, self.w_vc, self.rope):
             kv = cache.read(self.layer, shared.kv_slots)  # [P + S', C + R]: the prefix, then each one's own
             return extend_shared(
@@ -224,7 +228,7 @@ class MoE(nn.Module):
         """x [T, D], or its Fp8Act carrying x (Reads.FP8_AND_X)."""
         x, x_act = (x.x, x) if isinstance(x, Fp8Act) else (x, None)
         # Router logits [T, E] in float32 (the gate is float32: loader.ROUTER), then routing: one
-        # launch at decode (router_gemv; MLAC_ROUTER_KERNEL=0: F.linear, then route).
+        # launch at decode up to 4 tokens (router_gemv.router_plan), else F.linear, then route.
         weights, ids = gate_and_route(x, self.gate, self.routing, self.gate_bias)  # [T, top_k] each
         if self.first_expert:
             ids = ids - self.first_expert  # ids of other ranks' experts fall outside [0, E_local)
@@ -248,7 +252,8 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     """Layer `layer` (its index in the KV cache and in the config's dense/MoE pattern), its tensors
     under `prefix` (default `layers.{layer}`; an MTP layer's block: `mtp.{k}`). `attn_ctx`: the
-    attention's plan when it differs from the MLP's (SINGLE: DP attention)."""
+    attention's plan when it differs from the MLP's (SINGLE: DP attention); `options`: the
+    attention's forms."""
 
     def __init__(
         self,
@@ -258,10 +263,11 @@ class DecoderLayer(nn.Module):
         ctx: ParallelContext = SINGLE,
         prefix: str = "",
         attn_ctx: ParallelContext | None = None,
+        options: ModelOptions = DEFAULTS,
     ):
         super().__init__()
         p = prefix or f"layers.{layer}"
-        self.attn = MLAttention(config, weights, layer, ctx if attn_ctx is None else attn_ctx, p)
+        self.attn = MLAttention(config, weights, layer, ctx if attn_ctx is None else attn_ctx, p, options)
         self.attn_norm = RMSNorm(weights, f"{p}.attn_norm", config.rms_norm_eps, self.attn.reads)
         moe = config.is_moe_layer(layer)
         self.ffn = MoE(config, weights, layer, ctx, p) if moe else MLP(weights, f"{p}.mlp", ctx)
@@ -316,6 +322,7 @@ class MTPLayer(nn.Module):
         k: int,
         main: tuple[VocabParallelEmbedding, ParallelLMHead],
         ctx: ParallelContext = SINGLE,
+        options: ModelOptions = DEFAULTS,
     ):
         super().__init__()
         p, eps = f"mtp.{k}", config.rms_norm_eps
@@ -323,7 +330,7 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(weights, f"{p}.enorm", eps)
         self.hnorm = RMSNorm(weights, f"{p}.hnorm", eps)
         self.eh_proj = Linear(weights, f"{p}.eh_proj")  # [D, 2D], replicated
-        self.block = DecoderLayer(config, weights, self.layer, ctx, prefix=p)
+        self.block = DecoderLayer(config, weights, self.layer, ctx, prefix=p, options=options)
         self.norm = RMSNorm(weights, f"{p}.norm", eps)
         own_embed, own_head = weights.has(f"{p}.embed"), weights.has(f"{p}.head")
         self.embed = (
@@ -352,18 +359,26 @@ class DeepseekModel(nn.Module):
 
     `ctx` says which rank of which plan the tensors are (parallel.py); every rank of a plan runs
     the same forward in step, so that the collectives line up. `dp_attention`: the artifact's
-    attention weights are whole (plan.dp_attention), each rank attends over its own tokens."""
+    attention weights are whole (plan.dp_attention), each rank attends over its own tokens.
+    `options`: the forms it runs (options.py), fixed here."""
 
     def __init__(
-        self, config: ModelConfig, weights: Weights, ctx: ParallelContext = SINGLE, dp_attention: bool = False
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        ctx: ParallelContext = SINGLE,
+        dp_attention: bool = False,
+        options: ModelOptions = DEFAULTS,
     ):
         super().__init__()
         self.config = config
         self.ctx = ctx
+        self.options = options
         self.embed = VocabParallelEmbedding(weights, "embed", config.vocab_size, ctx)  # [V_local, D]
         attn_ctx = SINGLE if dp_attention else ctx
         layers = (
-            DecoderLayer(config, weights, i, ctx, attn_ctx=attn_ctx) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, weights, i, ctx, attn_ctx=attn_ctx, options=options)
+            for i in range(config.num_hidden_layers)
         )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(weights, "norm", config.rms_norm_eps)
@@ -371,7 +386,7 @@ class DeepseekModel(nn.Module):
         self.rope = RotaryEmbedding(config, device=self.device)
         n_mtp = sum(1 for k in range(config.num_nextn_predict_layers) if weights.has(f"mtp.{k}.eh_proj"))
         self.mtp = nn.ModuleList(
-            MTPLayer(config, weights, k, (self.embed, self.head), ctx) for k in range(n_mtp)
+            MTPLayer(config, weights, k, (self.embed, self.head), ctx, options) for k in range(n_mtp)
         )
         weights.finish()
 

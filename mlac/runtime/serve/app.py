@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlac import __version__
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.constrain import GrammarSpec
 from mlac.runtime.engine.generation_config import sampling_defaults
@@ -42,10 +43,12 @@ from mlac.runtime.serve.protocol import (
     new_sequences,
     prompt_list,
 )
-from mlac.runtime.serve.reasoning import prompt_opens_think
+from mlac.runtime.serve.reasoning import prompt_opens_think, splits
 from mlac.runtime.serve.render import ChatRender, CompletionRender, Render, sse
+from mlac.runtime.serve.request_id import RequestIdMiddleware, request_id
 from mlac.runtime.serve.submission import Submission
 from mlac.runtime.serve.tool_choice import plan_tools
+from mlac.runtime.serve.tools import TOOL_FORMATS
 
 # Text of at most this many characters is tokenized on the event loop (well under 1 ms); more, in a
 # worker thread (the hand-offs to it and back cost ~0.1 ms of every request's TTFT: see _build)
@@ -82,15 +85,19 @@ def create_app(
         title="mlac", lifespan=_lifespan(state.loop), docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.mlac = state
+    app.add_middleware(RequestIdMiddleware)  # X-Request-Id on every answer
     app.add_exception_handler(ApiError, api.api_error)
     app.add_exception_handler(StarletteHTTPException, api.http_error)
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/ping", api.ping, methods=["GET", "POST"])
+    app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     keyed = [Depends(api.check_key)]
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], dependencies=keyed)
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"], dependencies=keyed)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api.check_key)])
     v1.add_api_route("/models", api.models, methods=["GET"])
+    v1.add_api_route("/models/{model_id:path}", api.model, methods=["GET"])
     v1.add_api_route("/completions", api.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", api.chat, methods=["POST"])
     app.include_router(v1)
@@ -154,13 +161,21 @@ class Api:
             return JSONResponse({"status": "draining" if draining else "loading"}, status_code=503)
         return {"status": "ok", "startup": getattr(loop.engine, "startup", None)}  # launch.record_startup
 
+    async def ping(self):
+        """vLLM's /ping: 200 with an empty body when /health is ok, else /health's answer."""
+        health = await self.health()
+        return Response(status_code=200) if isinstance(health, dict) else health
+
+    async def version(self):
+        return {"version": __version__}
+
     async def metrics(self):
         m = self.state.metrics
         return Response(m.render(), media_type=m.content_type)
 
     # ---- /v1 ----
 
-    async def models(self, request: Request):
+    def _card(self) -> dict:
         card = {
             "id": self.config.model_name,
             "object": "model",
@@ -169,28 +184,42 @@ class Api:
         }
         if self.loop.engine is not None:
             card["max_model_len"] = self.loop.engine.max_context
+        return card
+
+    async def models(self, request: Request):
         self._count(request, 200)
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, request: Request, model_id: str):
+        """GET /v1/models/{id}: the served model's card; another id is a 404 (model_not_found)."""
+        if model_id != self.config.model_name:
+            raise ApiError(
+                404, f"the model '{model_id}' does not exist", param="model", code="model_not_found"
+            )
+        self._count(request, 200)
+        return self._card()
 
     async def completions(self, request: Request):
         body: CompletionBody = await self._read(request, CompletionBody)
         engine = self._admit(body)
         prompts = prompt_list(body.prompt, self.config.max_unfinished, body.n)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # 0: echo only (one token runs it)
+        rid = request_id(request)
 
         def make() -> list[Sequence]:  # choice p * n + j: prompt p's j-th
             ids = [engine.encode_prompt(p) for p in prompts]
-            max_tokens, lp = body.max_tokens or 16, body.logprobs
-            return [
-                s
-                for i in ids
-                for s in new_sequences(engine, i, body, max_tokens, lp, "prompt", self.defaults)
-            ]
+            names = [rid if len(ids) == 1 else f"{rid}-{p}" for p in range(len(ids))]
+            return [s for i, name in zip(ids, names, strict=True)
+                    for s in new_sequences(engine, i, body, max(1, max_tokens), body.logprobs, "prompt",
+                                           self.defaults, request_id=name)]  # fmt: skip
 
         text = sum(len(p) for p in prompts if isinstance(p, str))  # token ids cost next to nothing
-        sub = Submission(self.loop, await _build(make, _cheap(body, text)))
-        render = CompletionRender(
-            engine.tokenizer, self.config.model_name, len(prompts) * body.n, body.logprobs is not None
-        )
+        seqs = await _build(make, _cheap(body, text))
+        sub = Submission(self.loop, seqs)
+        echo = [_echo_text(engine, p) for p in prompts for _ in range(body.n)] if body.echo else None
+        render = CompletionRender(engine.tokenizer, self.config.model_name, len(seqs), body.logprobs is not None,
+                                  echo, [s.prompt_ids for s in seqs], body.prompt_logprobs is not None,
+                                  echo_only=max_tokens == 0)  # fmt: skip
         render.choices_per_prompt = body.n
         return await _respond(request, body, sub, render, lambda: self._count(request, 200))
 
@@ -200,10 +229,16 @@ class Api:
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
         check_choices(1, body.n, self.config.max_unfinished, "messages")
+        if body.stream and body.prompt_logprobs is not None:
+            raise ApiError(
+                400, "prompt_logprobs: not with stream on chat completions", param="prompt_logprobs"
+            )
         messages = chat_messages(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        # the tool-call format: the parser's (a call forced without a parser: V3's)
+        fmt = TOOL_FORMATS[self.config.tool_call_parser or "deepseek_v3"]
         tools = plan_tools(body.tools, body.tool_choice, self.config.enable_auto_tool_choice,
-                           body.parallel_tool_calls is not False)  # fmt: skip
+                           body.parallel_tool_calls is not False, fmt)  # fmt: skip
         grammar = GrammarSpec("lark", tools.grammar) if tools.grammar is not None else None  # forced calls
 
         def make() -> list[Sequence]:
@@ -211,14 +246,17 @@ class Api:
             max_tokens = (
                 body.max_completion_tokens or body.max_tokens or max(1, engine.max_context - len(ids))
             )
-            return new_sequences(engine, ids, body, max_tokens, logprobs, "messages", self.defaults, grammar)
+            return new_sequences(engine, ids, body, max_tokens, logprobs, "messages", self.defaults, grammar,
+                                 request_id(request))  # fmt: skip
 
         inline = grammar is None and _cheap(body, _body_bytes(request))  # the body: about its text
         seqs = await _build(make, inline)
         sub = Submission(self.loop, seqs)
         tail = engine.tokenizer.decode(seqs[0].prompt_ids[-8:], skip_special_tokens=False)  # template's end
-        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n,
-                            self.config.reasoning_parser, prompt_opens_think(tail), tools.parse)  # fmt: skip
+        reasoning = splits(self.config.reasoning_parser, body.chat_template_kwargs)
+        render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n, reasoning,
+                            prompt_opens_think(tail), fmt if tools.parse else None,
+                            body.prompt_logprobs is not None)  # fmt: skip
         render.choices_per_prompt = body.n
         return await _respond(request, body, sub, render, lambda: self._count(request, 200))
 
@@ -290,6 +328,13 @@ def _encode_chat(engine, messages: list[dict], body: ChatBody | TokenizeBody) ->
         return engine.tokenizer.encode_chat(messages, body.add_generation_prompt, body.tools, **kwargs)
     except (TemplateError, TypeError) as e:
         raise ApiError(400, f"chat template refused the messages: {e}", param="messages") from None
+
+
+def _echo_text(engine, prompt: str | list[int]) -> str:
+    """What `echo` puts before a completion: a text prompt as given, token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    return engine.tokenizer.decode(prompt, skip_special_tokens=False) if engine.tokenizer is not None else ""
 
 
 def _cheap(body: Body, text: int | None) -> bool:

@@ -3,10 +3,10 @@ options chain (ServerConfig ⊃ EngineOptions ⊃ RuntimeOptions, SchedulerConfi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlac import settings
 from mlac.core.errors import MlacError
 from mlac.core.options import Options
 from mlac.runtime.engine.options import EngineOptions
@@ -36,8 +36,8 @@ class ServerConfig(Options):
     warmup: bool = True  # run the step shapes once before /health turns ready (CUDA: Triton JIT)
     process_start: float | None = None  # time.monotonic() at process start: the start-up log's import phase
     generation_config: str = "auto"  # default sampling: auto | vllm | none | a folder (generation_config.py)
-    reasoning_parser: str | None = None  # "deepseek_r1": chat splits reasoning_content out (reasoning.py)
-    tool_call_parser: str | None = None  # "deepseek_v3": chat parses tool calls out of answers (tools.py)
+    reasoning_parser: str | None = None  # deepseek_r1 | deepseek_v3: splits reasoning out (reasoning.py)
+    tool_call_parser: str | None = None  # deepseek_v3 | deepseek_v31: tool calls parsed out (tools.py)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (and the default with tools)
     log_requests: bool = False  # a log line per request at arrival and at its end (stats.py)
     log_stats: bool = True  # the periodic stats line while busy
@@ -82,4 +82,5 @@ class ServerConfig(Options):
 
 
 def api_key_from_env(given: str | None) -> str | None:
-    return given if given is not None else (os.environ.get("MLAC_API_KEY") or None)
+    """--api-key as given, else the setting MLAC_API_KEY (None when neither)."""
+    return given if given is not None else settings.API_KEY.get()

@@ -3,7 +3,7 @@ starts it), talking to the server's process (engine_client.py) over one duplex p
 
 Messages, server -> engine:
 
-    ("add", [(rid, prompt_ids, params, arrival), ...])   requests; Sequences are built here
+    ("add", [(rid, prompt_ids, params, arrival, request_id), ...])   requests; Sequences are built here
     ("cancel", rid)    ("fail", message)    ("stop",)
 
 engine -> server (`ops`: the metric ops recorded since the last message, metrics.MetricsRecorder):
@@ -166,9 +166,9 @@ def _apply_messages(conn: Connection, loop: EngineLoop, channel: Channel) -> Non
 def _add(loop: EngineLoop, requests: list[tuple], channel: Channel) -> None:
     """Build each request's Sequence (its detokenizer, its grammar's matcher) and submit it; one the
     engine refuses ends at once with its error (the server validated it already: rare)."""
-    for rid, prompt_ids, params, arrival in requests:
+    for rid, prompt_ids, params, arrival, request_id in requests:
         try:
-            seq = loop.engine.new_sequence(prompt_ids, params)
+            seq = loop.engine.new_sequence(prompt_ids, params, request_id)
             seq.seq_id, seq.arrival = rid, arrival  # the server's id and clock (CLOCK_MONOTONIC)
             loop.submit([seq], [rid])
         except MlacError as e:

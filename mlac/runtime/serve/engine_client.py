@@ -26,6 +26,8 @@ from mlac.core.artifact import TOKENIZER_DIR, Manifest
 from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.constrain import Grammars
+from mlac.runtime.engine.penalties import check_logit_bias
+from mlac.runtime.engine.prompt_logprobs import check_prompt_logprobs
 from mlac.runtime.engine.sampling import SamplingParams
 from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.serve.config import ServerConfig
@@ -46,6 +48,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float  # time.monotonic(): one clock for both processes
+    request_id: str | None = None  # the server's name of it (X-Request-Id), for its log lines
 
 
 class RemoteError(Exception):
@@ -62,11 +65,15 @@ class RemoteError(Exception):
 class FrontEngine:
     """What the routes use of an Engine, in the server's process: `tokenizer`, `max_context`,
     `startup`, `encode_prompt` and `new_sequence` (the same checks; a Request instead of a
-    Sequence: the grammar is compiled here to be checked, and again in the engine's process)."""
+    Sequence: the grammar is compiled here to be checked, and again in the engine's process;
+    `speculative_num_steps`: the engine's, under which prompt_logprobs are refused)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, model: ModelConfig, info: dict):
+    def __init__(
+        self, tokenizer: Tokenizer | None, model: ModelConfig, info: dict, speculative_num_steps: int = 0
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = model.vocab_size
+        self.speculative_num_steps = speculative_num_steps
         self.max_context: int = info["max_context"]
         self.startup: dict = info["startup"]
         self.grammars = Grammars(tokenizer, model.vocab_size, model.eos_token_ids)
@@ -81,15 +88,19 @@ class FrontEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)  # NOTE: not int() each: 0.1 ms per 2,000 ids, twice per request
 
-    def new_sequence(self, prompt: str | list[int], params: SamplingParams) -> Request:
+    def new_sequence(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
         """A validated request (Engine.new_sequence's checks: MlacError, InvalidGrammar)."""
         ids = self.encode_prompt(prompt)
         self._check_prompt(ids)
         if params.stop and self.tokenizer is None:
             raise MlacError("stop strings need a tokenizer; this engine has none")
+        check_logit_bias(params, self.vocab_size)
+        check_prompt_logprobs(params, self.speculative_num_steps)
         if params.grammar is not None:
             self.grammars.matcher(params.grammar)  # compiles it (cached), or InvalidGrammar
-        return Request(next(self._seq_ids), ids, params, time.monotonic())
+        return Request(next(self._seq_ids), ids, params, time.monotonic(), request_id)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -178,7 +189,7 @@ class EngineClient:
             check_room(self._unfinished, len(requests), self.max_unfinished, self._refusing)
             self._unfinished += len(requests)
             self._sinks.update((r.seq_id, sink) for r, sink in zip(requests, sinks, strict=True))
-        self._send(("add", [(r.seq_id, r.prompt_ids, r.params, r.arrival) for r in requests]))
+        self._send(("add", [(r.seq_id, r.prompt_ids, r.params, r.arrival, r.request_id) for r in requests]))
 
     def cancel(self, seq_id: int) -> None:
         self._send(("cancel", seq_id))
@@ -227,7 +238,8 @@ class EngineClient:
                 self._beat_trouble = message[1]
             elif kind == "ready":
                 replay(self.metrics, message[2])
-                self.engine = FrontEngine(tokenizer, model, message[1])
+                spec = self.config.engine.scheduler.speculative_num_steps
+                self.engine = FrontEngine(tokenizer, model, message[1], spec)
                 self._ready.set()
             elif kind == "failed":
                 replay(self.metrics, message[4])

@@ -29,6 +29,7 @@ from typing import Any
 
 import uvicorn
 
+from mlac import settings
 from mlac.core.errors import MlacError
 from mlac.runtime.serve.app import ServerState, create_app
 from mlac.runtime.serve.config import ServerConfig
@@ -159,6 +160,8 @@ def serve(config: ServerConfig, log_level: str = "info", process: Any = None) ->
     check_port(config.host, config.port)  # and a busy port, before the model loads
     log_to_stderr(log_level)
     log.info(config.summary())
+    if (changed := settings.summary()) is not None:  # the MLAC_* settings not at their default, masked
+        log.info(changed)
     # The engine thread and the event loop share the GIL (in thread mode). With Python's default 5 ms switch
     # interval the engine thread, back from a GPU step, may wait that long for the loop to let go;
     # at 0.2 ms it launches the next step almost at once. Measured on one H200 (V2-Lite bf16, HTTP):
@@ -167,7 +170,8 @@ def serve(config: ServerConfig, log_level: str = "info", process: Any = None) ->
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     server = make_server(config, log_level, process=process)
     # What is imported by now (torch, triton, FastAPI: 200k objects) never becomes garbage: out of
-    # the collector's way, a full collection costs ~1 ms instead of ~90 ms of the event loop
+    # the collector's way, a full collection costs ~1 ms instead of ~90 ms of the event loop.
+    # NOTE: unfrozen at the end: triton's bindings report what exit finds uncollected as leaks
     gc.freeze()
     # uvicorn re-raises the signal that stopped it once it has drained; a drained server exits 0
     drained = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -177,6 +181,7 @@ def serve(config: ServerConfig, log_level: str = "info", process: Any = None) ->
         for sig, handler in drained.items():
             signal.signal(sig, handler)
         close_engine(server.state)
+        gc.unfreeze()
     error = server.state.loop.load_error
     if isinstance(error, MlacError):
         raise error

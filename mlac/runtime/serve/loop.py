@@ -77,6 +77,7 @@ class EngineLoop:
         self._sinks: dict[int, Any] = {}  # seq_id -> its sink (what the outlet takes)
         self._last_token: dict[int, float] = {}
         self._queued: set[int] = set()  # added, never run yet (for the queue-time histogram)
+        self._started: dict[int, float] = {}  # seq_id -> the start of the step that first ran it
         self._thread = threading.Thread(target=self._main, name="mlac-engine", daemon=True)
         self._heartbeat = Heartbeat(self._beat)
         self._dying = False  # die() was called (once)
@@ -103,7 +104,7 @@ class EngineLoop:
             self._unfinished += len(seqs)
             for seq, sink in zip(seqs, sinks, strict=True):
                 if self.log_requests:
-                    log_arrival(seq.seq_id, len(seq.prompt_ids), seq.params)
+                    log_arrival(seq.request_id or seq.seq_id, len(seq.prompt_ids), seq.params)
                 self._inbox.put(("add", seq, sink))
 
     def cancel(self, seq_id: int) -> None:
@@ -300,6 +301,7 @@ class EngineLoop:
         for seq in (*news, *self.scheduler.running):
             if seq.seq_id in self._queued and (seq.output_ids or seq.num_computed):
                 self._queued.discard(seq.seq_id)
+                self._started[seq.seq_id] = start
                 self.metrics.queue_time.observe(max(0.0, start - seq.arrival))
 
     def _gauges(self) -> Gauges:
@@ -343,7 +345,7 @@ class EngineLoop:
     def _fail_one(self, seq: Sequence, why: str) -> None:
         """End one request with an engine error (500) and take it out of the scheduler if it is
         still there; the rest of the step goes on."""
-        log.error("request %d failed in the engine: %s", seq.seq_id, why)
+        log.error("request %s failed in the engine: %s", seq.request_id or seq.seq_id, why)
         if not seq.finished:
             self.scheduler.abort(seq.seq_id)  # its blocks are freed at the next step
         self._finish(seq, MlacError(f"the request failed in the engine: {why}"))
@@ -360,9 +362,11 @@ class EngineLoop:
         sink = self._sinks.pop(seq.seq_id, None)
         self._last_token.pop(seq.seq_id, None)
         self._queued.discard(seq.seq_id)
+        started = self._started.pop(seq.seq_id, None)
         if sink is None:
             return
         self._count_end(seq, error)
+        self._count_phases(seq, started)
         if error is not None:
             self._post(sink, error)
         self._outlet.end(sink)
@@ -381,7 +385,19 @@ class EngineLoop:
         m.request_generation_tokens.observe(len(seq.output_ids))
         m.request_max_tokens.observe(seq.params.max_tokens)
         if self.log_requests:
-            log_finish(seq.seq_id, reason, len(seq.prompt_ids), len(seq.output_ids), seconds)
+            log_finish(
+                seq.request_id or seq.seq_id, reason, len(seq.prompt_ids), len(seq.output_ids), seconds
+            )
+
+    def _count_phases(self, seq: Sequence, started: float | None) -> None:
+        """An ended request's prefill, decode and inference times (vLLM's split), from the step that
+        first ran it (`started`; None: it never ran) and its first and last tokens."""
+        first, last, m = seq.first_token_time, seq.last_token_time, self.metrics
+        if started is None or first is None:
+            return
+        m.prefill_time.observe(max(0.0, first - started))
+        m.decode_time.observe(max(0.0, last - first))
+        m.inference_time.observe(max(0.0, last - started))
 
     def _post(self, sink: Any, item: Delta | BaseException) -> None:
         self._outlet.post(sink, item)

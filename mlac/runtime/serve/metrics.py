@@ -3,7 +3,9 @@
 Names, types, labels and buckets follow vLLM's (vllm/v1/metrics/loggers.py) with the prefix
 `mlac:` instead of `vllm:`, so a vLLM Grafana dashboard reads them after a prefix change; the
 one-to-one table is in docs/serving.md. Every metric carries the label `model_name` (the served
-model name). A few have no vLLM counterpart (KV_BLOCKS, JIT_COMPILES, HTTP_REQUESTS).
+model name). A few have no vLLM counterpart (KV_BLOCKS, JIT_COMPILES, HTTP_REQUESTS). The registry
+also holds prometheus_client's process and platform collectors (`process_*`, `python_info`: the
+server's process, unprefixed, as vLLM's server exports them).
 
 Counters and histograms are updated from two threads (HTTP handlers count HTTP requests; the
 engine thread counts tokens, latencies and outcomes); prometheus_client's metrics are thread-safe.
@@ -19,6 +21,8 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -58,6 +62,8 @@ class Metrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
+        PlatformCollector(registry=self.registry)  # python_info
         self._finished = self._counter("request_success", "Engine requests finished, by finished_reason "
                                        "(stop, length, abort, error), counted when they end", "finished_reason")  # fmt: skip
         for reason in FINISH_REASONS:  # every outcome is exported from the start, at 0
@@ -101,6 +107,13 @@ class Metrics:
         self.e2e = h("e2e_request_latency_seconds", "Arrival to the request's end", REQUEST_LATENCY_BUCKETS)
         self.queue_time = h("request_queue_time_seconds", "Arrival to the step that first runs the request",
                             REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        # a request's phases, as vLLM splits them: queue | prefill | decode; inference = prefill + decode
+        self.prefill_time = h("request_prefill_time_seconds", "The step that first runs the request to its "
+                              "first token", REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.decode_time = h("request_decode_time_seconds", "The request's first token to its last",
+                             REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.inference_time = h("request_inference_time_seconds", "The step that first runs the request to "
+                                "its last token", REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.request_prompt_tokens = h("request_prompt_tokens", "Prompt tokens of a finished request", tokens)
         self.request_generation_tokens = h("request_generation_tokens", "Generated tokens of a finished request",
                                            tokens)  # fmt: skip
@@ -139,7 +152,7 @@ class Metrics:
 # The metrics that EngineLoop updates (the engine's side); the HTTP counters stay with the server.
 ENGINE_METRICS = ("running", "waiting", "kv_usage", "kv_blocks", "prompt_tokens", "generation_tokens",
                   "preemptions", "prefix_queries", "prefix_hits", "jit_compiles", "ttft", "itl", "e2e",
-                  "queue_time", "request_prompt_tokens", "request_generation_tokens", "request_max_tokens",
+                  "queue_time", "prefill_time", "decode_time", "inference_time", "request_prompt_tokens", "request_generation_tokens", "request_max_tokens",
                   "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "iteration_tokens")  # fmt: skip
 
 MetricOp = tuple[str, str, float]  # (metric: an ENGINE_METRICS name or "finished:<reason>", method, value)

@@ -9,19 +9,22 @@ still accepted where a float is expected). Limits that the models cannot state:
                   times n) in one request: more could never be admitted
 
 Structured output: `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema":
-{"name", "schema", "strict"}} and vLLM's `guided_json` (a schema, as an object or a JSON string)
-become a GrammarSpec (`grammar_spec`); a schema that does not compile is a 400 naming
-response_format (raised by the engine: constrain.InvalidGrammar).
+{"name", "schema", "strict"}} and vLLM's guided_* fields and `structured_outputs` become a
+GrammarSpec (guided.py); a grammar that does not compile is a 400 naming its field (raised by the
+engine: constrain.InvalidGrammar).
 
-Fields that mlac does not implement (UNSUPPORTED: logit_bias, penalties, ...) are a 400 naming the
-field unless they hold their neutral value: never a silent 200.
+Sampling fields as vLLM's (SamplingParams checks them again): presence and frequency penalties in
+[-2, 2], repetition_penalty > 0, logit_bias {"token id": bias in [-100, 100]} (ids in the
+vocabulary), min_tokens <= max_tokens, prompt_logprobs in [0, 20]; `echo` on completions (with
+max_tokens 0: the prompt only, scored). Fields that mlac does not implement (UNSUPPORTED_EXTRAS:
+beam search, ...) are a 400 naming the field unless they hold their neutral value: never a
+silent 200.
     prompt + max_tokens   within the engine's context
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,6 +32,7 @@ from mlac.runtime.engine.constrain import GrammarSpec, InvalidGrammar
 from mlac.runtime.engine.generation_config import SamplingDefaults
 from mlac.runtime.engine.sampling import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
 from mlac.runtime.engine.sequence import Sequence
+from mlac.runtime.serve.guided import GuidedError, StructuredOutputs, grammar_of
 
 MAX_N = 16  # choices of one request (n); each is one engine request
 MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM has no limit; 300,000 of them slowed every request 5-7x
@@ -75,6 +79,9 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+Bias = Annotated[float, Field(ge=-100, le=100)]
+
+
 class Body(BaseModel):
     """The fields both endpoints share."""
 
@@ -89,16 +96,24 @@ class Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=0, le=0)
-    frequency_penalty: float | None = Field(default=None, ge=0, le=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, Bias] | None = None  # {"token id": bias}
     user: str | None = None
     # extensions, as vLLM names them
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM: a JSON schema
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None  # Lark, llguidance's syntax
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -109,8 +124,9 @@ class CompletionBody(Body):
     # token ids first: a list of ids matches it at once (after list[str], smart mode also tried that,
     # an error per id: 0.8 ms for 2,000 ids, on the way to every prompt's first token)
     prompt: list[int] | str | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo only (the prompt, scored)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = None
+    echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
 
@@ -168,32 +184,21 @@ def chat_messages(body: ChatBody | TokenizeBody) -> list[dict[str, Any]]:
 
 
 UNSUPPORTED = {
-    "presence_penalty": "presence_penalty is not supported (only 0)",
-    "frequency_penalty": "frequency_penalty is not supported (only 0)",
-    "echo": "echo is not supported",
     "best_of": "only best_of=1 is supported",
     "suffix": "suffix is not supported",
 }
 # Fields no model above declares, each with its neutral values (null is always neutral): any other
 # value is a 400 naming the field.
 UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},),
-    "repetition_penalty": (1, 1.0),
     "length_penalty": (1, 1.0),
     "use_beam_search": (False,),
-    "prompt_logprobs": (),
-    "min_tokens": (0,),
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
     "web_search_options": (),
-    "guided_regex": (),  # vLLM's other guided decoding fields (guided_json is supported)
-    "guided_choice": (),
-    "guided_grammar": (),
     "guided_whitespace_pattern": (),
-    "structured_outputs": (),
 }
 
 
@@ -218,9 +223,12 @@ def parse_body(model: type[BaseModel], data: Any) -> Any:
         top = str(err["loc"][0]) if err["loc"] else ""
         message = UNSUPPORTED.get(top) or (f"{param}: {err['msg']}" if param else err["msg"])
         raise ApiError(400, message, param=param) from None
-    for name in ("echo", "suffix"):
-        if getattr(body, name, None):
-            raise ApiError(400, UNSUPPORTED[name], param=name)
+    if getattr(body, "suffix", None):
+        raise ApiError(400, UNSUPPORTED["suffix"], param="suffix")
+    if getattr(body, "max_tokens", None) == 0 and not getattr(body, "echo", False):
+        raise ApiError(
+            400, "max_tokens: 0 is only allowed with echo (the prompt, scored)", param="max_tokens"
+        )
     check_stop(getattr(body, "stop", None))
     return body
 
@@ -252,10 +260,11 @@ def sampling_params(
     choices, the same ones for the same seed). `tool_grammar` (tool_choice required or a named
     function) constrains the output instead of response_format; both at once are a 400."""
     pick = {f: getattr(defaults, f) if getattr(body, f) is None else getattr(body, f) for f in DEFAULTED}
-    grammar = grammar_spec(body)
+    found = grammar_spec(body)
+    grammar = found[1] if found is not None else None
     if tool_grammar is not None:
-        if grammar is not None:
-            raise ApiError(400, "response_format (or guided_json) cannot be combined with tool_choice "
+        if found is not None:
+            raise ApiError(400, f"{found[0]} cannot be combined with tool_choice "
                            '"required" or a named function', param="tool_choice")  # fmt: skip
         grammar = tool_grammar
     try:
@@ -271,6 +280,12 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             grammar=grammar,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=logit_bias(body.logit_bias),
+            min_tokens=body.min_tokens,
+            prompt_logprobs=prompt_logprobs(body, logprobs),
         )
     except InvalidSamplingParams as e:
         raise ApiError(400, str(e), param=e.param) from None
@@ -279,24 +294,31 @@ def sampling_params(
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p")  # fields --generation-config can default
 
 
-def grammar_spec(body: Body) -> GrammarSpec | None:
-    """The grammar of `response_format` or `guided_json` (None: free text); 400 for a json_schema
-    format without its schema, or both fields set."""
-    fmt, guided = body.response_format, body.guided_json
-    kind = "text" if fmt is None else fmt.type
-    if guided is not None:
-        if kind != "text":
-            raise ApiError(400, "give response_format or guided_json, not both", param="guided_json")
-        return GrammarSpec("json_schema", guided if isinstance(guided, str) else json.dumps(guided))
-    if kind == "json_object":
-        return GrammarSpec("json_object", "")
-    if kind == "json_schema":
-        if fmt.json_schema is None:
-            raise ApiError(
-                400, "response_format: type json_schema needs a json_schema object", param="response_format"
-            )
-        return GrammarSpec("json_schema", json.dumps(fmt.json_schema.schema_))
-    return None
+def logit_bias(given: dict[str, float] | None) -> dict[int, float]:
+    """{token id: bias} of a body's logit_bias (JSON keys are strings); 400 for a key that is not one."""
+    try:
+        return {int(k): v for k, v in (given or {}).items()}
+    except ValueError:
+        bad = next(k for k in given if not k.strip().lstrip("-").isdigit())
+        raise ApiError(400, f"logit_bias: {bad!r} is not a token id", param="logit_bias") from None
+
+
+def prompt_logprobs(body: Body, logprobs: int | None) -> int | None:
+    """The prompt logprobs a request needs: prompt_logprobs, and with echo, as many alternatives
+    as its logprobs (the echoed prompt's tokens are scored too)."""
+    asked = body.prompt_logprobs
+    if getattr(body, "echo", False) and logprobs is not None:
+        return max(asked or 0, logprobs)
+    return asked
+
+
+def grammar_spec(body: Body) -> tuple[str, GrammarSpec] | None:
+    """(field, grammar) of the request's structured-output field (guided.py; None: free text); a
+    400 naming the field for two of them, or a json_schema format without its schema."""
+    try:
+        return grammar_of(body)
+    except GuidedError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def message_text(content: str | list[dict[str, Any]] | None, where: str) -> str | None:
@@ -349,10 +371,12 @@ def new_sequences(
     what: str,
     defaults: SamplingDefaults,
     tool_grammar: GrammarSpec | None = None,
+    request_id: str | None = None,
 ) -> list[Sequence]:
-    """The body.n engine requests (choices) for prompt `ids`; 400 if prompt + max_tokens exceed
-    the context. Each choice is its own engine request; with the prefix cache they share the
-    prompt's prefill (the scheduler admits the others once the first has cached the prompt).
+    """The body.n engine requests (choices) for prompt `ids`, named `request_id` (choice j of n >
+    1: "<request_id>-j"); 400 if prompt + max_tokens exceed the context. Each choice is its own
+    engine request; with the prefix cache they share the prompt's prefill (the scheduler admits
+    the others once the first has cached the prompt).
     `tool_grammar`: see sampling_params (a tool's parameters schema that does not compile is a 400
     naming `tools`)."""
     ctx = engine.max_context
@@ -365,11 +389,18 @@ def new_sequences(
             code="context_length_exceeded",
         )
     try:
+        names = [
+            request_id if body.n == 1 or request_id is None else f"{request_id}-{j}" for j in range(body.n)
+        ]
         return [
-            engine.new_sequence(ids, sampling_params(body, max_tokens, logprobs, defaults, j, tool_grammar))
-            for j in range(body.n)
+            engine.new_sequence(
+                ids, sampling_params(body, max_tokens, logprobs, defaults, j, tool_grammar), name
+            )
+            for j, name in enumerate(names)
         ]
     except InvalidGrammar as e:
-        if tool_grammar is None:
-            raise
-        raise ApiError(400, f"tools: {str(e).removeprefix('response_format: ')}", param="tools") from None
+        found = grammar_spec(body)
+        field = "tools" if tool_grammar is not None else found[0] if found is not None else e.param
+        raise ApiError(400, f"{field}: {str(e).removeprefix('response_format: ')}", param=field) from None
+    except InvalidSamplingParams as e:
+        raise ApiError(400, str(e), param=e.param) from None

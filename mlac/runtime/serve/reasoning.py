@@ -1,5 +1,9 @@
-"""DeepSeek-R1 reasoning parser (`--reasoning-parser deepseek_r1`): splits a chat answer's text into
-reasoning (`reasoning_content`) and content, as vLLM's and SGLang's `deepseek_r1` parsers do.
+"""DeepSeek's reasoning parsers: split a chat answer's text into reasoning (`reasoning_content`)
+and content, as vLLM's and SGLang's parsers of those names do. `--reasoning-parser deepseek_r1`
+splits every answer (R1 always thinks); `deepseek_v3` (vLLM's name for DeepSeek-V3.1's hybrid
+thinking) splits the answers of requests that turn thinking on through the chat template
+(`chat_template_kwargs` {"thinking": true}, or {"enable_thinking": true}; V3.1's template then ends
+the prompt in `<think>`, else in `</think>`) and leaves the others whole in content (`splits`).
 
 Text before `</think>` is reasoning, text after it is content. A leading `<think>` in the output
 (after optional whitespace) is dropped and opens the reasoning. When the chat template itself
@@ -17,7 +21,8 @@ from __future__ import annotations
 from mlac.core.errors import MlacError
 
 OPEN, CLOSE = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1",)
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3")
+THINKING_KWARGS = ("thinking", "enable_thinking")  # the chat template variables that turn it on
 
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
 
@@ -25,6 +30,13 @@ _START, _REASONING, _CONTENT = "start", "reasoning", "content"
 def prompt_opens_think(prompt_text: str) -> bool:
     """Whether the chat template ended the prompt inside a `<think>` (`...<think>` or `...<think>\\n`)."""
     return prompt_text.rstrip().endswith(OPEN)
+
+
+def splits(parser: str | None, template_kwargs: dict | None) -> bool:
+    """Whether a request's answer is split into reasoning and content under `parser` (module doc)."""
+    if parser == "deepseek_v3":
+        return any(bool((template_kwargs or {}).get(k)) for k in THINKING_KWARGS)
+    return parser is not None
 
 
 def check_reasoning_parser(name: str | None) -> None:

@@ -14,13 +14,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from mlac.runtime.engine.sampling import TokenLogprob
 from mlac.runtime.engine.sequence import Delta
 from mlac.runtime.serve.protocol import ApiError
 from mlac.runtime.serve.reasoning import DeepSeekR1Parser, split
 from mlac.runtime.serve.submission import Submission
-from mlac.runtime.serve.tools import DeepSeekV3ToolParser, parse
+from mlac.runtime.serve.tools import DeepSeekToolParser, ToolFormat, parse
 
 DONE = "data: [DONE]\n\n"
 ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(x, ensure_ascii=False), built once
@@ -36,7 +37,7 @@ async def sse(sub: Submission, render: Render, include_usage: bool) -> AsyncIter
         async for batch in sub.batches():
             events = []
             for index, delta in batch:
-                if delta.text or delta.finish_reason or (render.want_logprobs and delta.logprobs):
+                if render.needs_event(index, delta):
                     events.append(render.chunk_event(index, delta, include_usage))
                 else:
                     render.add(index, delta)  # a token whose text is held back: nothing to send yet
@@ -59,6 +60,27 @@ def _lp(x: float) -> float:
     return max(x, -9999.0)  # JSON has no -inf
 
 
+def vllm_prompt_logprobs(lps: list[TokenLogprob | None], token_text) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None (the first) or {"token id": {"logprob",
+    "rank", "decoded_token"}} of the token itself, then its most likely alternatives."""
+    out: list[dict | None] = []
+    for x in lps:
+        if x is None:
+            out.append(None)
+            continue
+        entry = {
+            str(x.token_id): {
+                "logprob": _lp(x.logprob),
+                "rank": x.rank,
+                "decoded_token": token_text(x.token_id),
+            }
+        }
+        for rank, (t, v) in enumerate(x.top, start=1):
+            entry.setdefault(str(t), {"logprob": _lp(v), "rank": rank, "decoded_token": token_text(t)})
+        out.append(entry)
+    return out
+
+
 class Render:
     """Accumulates the choices of one response; renders chunks and the final body."""
 
@@ -78,9 +100,16 @@ class Render:
         self.prompt_tokens = [0] * n
         self.completion_tokens = [0] * n
         self.cached_tokens = [0] * n  # prompt tokens served from the prefix cache
+        self.prompt_lps: list[list[TokenLogprob | None] | None] = [None] * n  # when asked
         self._chunk_head: str | None = None
 
+    def needs_event(self, i: int, d: Delta) -> bool:
+        """Whether choice i's delta d makes a stream chunk (else it is only added: held-back text)."""
+        return bool(d.text or d.finish_reason or (self.want_logprobs and d.logprobs))
+
     def add(self, i: int, d: Delta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_lps[i] = d.prompt_logprobs
         self.text[i] += d.text
         self.logprobs[i] += d.logprobs
         self.finish[i] = d.finish_reason
@@ -132,35 +161,77 @@ class CompletionRender(Render):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, tokenizer, model: str, n: int, logprobs: bool):
+    def __init__(self, tokenizer, model: str, n: int, logprobs: bool, echo: list[str] | None = None,
+                 prompt_ids: list[list[int]] | None = None, prompt_logprobs: bool = False,
+                 echo_only: bool = False):  # fmt: skip
+        """`echo`: each choice's prompt text, put before its completion (with `logprobs`, its
+        `prompt_ids` lead the logprobs, scored by the engine: the first has none); `echo_only`
+        (max_tokens 0): the prompt alone, what was generated dropped; `prompt_logprobs`: each
+        choice carries vLLM's `prompt_logprobs`."""
         super().__init__(tokenizer, model, n)
         self.want_logprobs = logprobs
+        self.echo, self.prompt_ids, self.echo_only = echo, prompt_ids, echo_only
+        self.show_prompt_logprobs = prompt_logprobs
         self.offset = [0] * n
+        self.opened = [False] * n  # choice i's first chunk (its echo, its prompt logprobs) was sent
 
-    def _logprobs(self, i: int, lps: list[TokenLogprob]) -> dict | None:
+    def add(self, i: int, d: Delta) -> None:
+        if self.echo_only:  # the token generated to run the prompt is not part of the answer
+            d = replace(d, text="", token_ids=[], logprobs=[], completion_tokens=0, finish_reason=d.finish_reason
+                        and "length")  # fmt: skip
+        super().add(i, d)
+
+    def needs_event(self, i: int, d: Delta) -> bool:
+        leads = self.echo is not None or self.show_prompt_logprobs
+        return super().needs_event(i, d) or (leads and not self.opened[i] and bool(d.token_ids))
+
+    def _prompt_entries(self, i: int) -> list[tuple]:
+        """(token id, logprob, top) of choice i's prompt tokens (logprob and top None: not scored)."""
+        ids = self.prompt_ids[i] if self.prompt_ids is not None else []
+        lps = self.prompt_lps[i] or [None] * len(ids)
+        return [
+            (t, None, None) if x is None else (t, x.logprob, x.top) for t, x in zip(ids, lps, strict=False)
+        ]
+
+    def _logprobs(self, i: int, entries: list[tuple]) -> dict | None:
+        """OpenAI's legacy logprobs of `entries` [(token id, logprob | None, top | None)]."""
         if not self.want_logprobs:
             return None
-        tokens = [self.token_text(lp.token_id) for lp in lps]
+        tokens = [self.token_text(t) for t, _, _ in entries]
         offsets = []
         for t in tokens:
             offsets.append(self.offset[i])
             self.offset[i] += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": [{self.token_text(t): _lp(v) for t, v in lp.top} for lp in lps],
+            "token_logprobs": [None if v is None else _lp(v) for _, v, _ in entries],
+            "top_logprobs": [
+                None if top is None else {self.token_text(t): _lp(v) for t, v in top} for _, _, top in entries
+            ],  # fmt: skip
             "text_offset": offsets,
         }
 
+    def _choice(self, i: int, text: str, entries: list[tuple], finish: str | None, lead: bool) -> dict:
+        """Choice i's object; `lead`: its echo and prompt logprobs go first (the body, a first chunk)."""
+        if lead and self.echo is not None:
+            text, entries = self.echo[i] + text, self._prompt_entries(i) + entries
+        choice = {"index": i, "text": text, "logprobs": self._logprobs(i, entries), "finish_reason": finish}
+        if lead and self.show_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_lps[i] or [], self.token_text)
+        return choice
+
     def chunk_choice(self, i: int, d: Delta) -> dict:
         self.add(i, d)
-        return {"index": i, "text": d.text, "logprobs": self._logprobs(i, d.logprobs),
-                "finish_reason": d.finish_reason}  # fmt: skip
+        lead = not self.opened[i] and bool(d.token_ids)
+        self.opened[i] = self.opened[i] or lead
+        text, lps = ("", []) if self.echo_only else (d.text, d.logprobs)
+        finish = d.finish_reason and "length" if self.echo_only else d.finish_reason
+        return self._choice(i, text, [(x.token_id, x.logprob, x.top) for x in lps], finish, lead)
 
     def body(self) -> dict:
         choices = [
-            {"index": i, "text": self.text[i], "logprobs": self._logprobs(i, self.logprobs[i]),
-             "finish_reason": self.finish[i]}
+            self._choice(i, self.text[i], [(x.token_id, x.logprob, x.top) for x in self.logprobs[i]],
+                         self.finish[i], True)
             for i in range(len(self.text))
         ]  # fmt: skip
         return {**self.envelope(choices), "usage": self.usage()}
@@ -171,16 +242,20 @@ class ChatRender(Render):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1, reasoning_parser: str | None = None,
-                 think_opened: bool = False, tool_calls: bool = False):  # fmt: skip
-        """`reasoning_parser` ("deepseek_r1" or None): split each choice's text into reasoning_content
-        and content (reasoning.py); `think_opened`: the chat template ended the prompt in `<think>`;
-        `tool_calls`: parse DeepSeek-V3 tool calls out of the content (tools.py)."""
+    def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1, reasoning: bool = False,
+                 think_opened: bool = False, tool_calls: ToolFormat | None = None,
+                 prompt_logprobs: bool = False):  # fmt: skip
+        """`reasoning`: split each choice's text into reasoning_content and content (reasoning.py);
+        `think_opened`: the chat template ended the prompt in `<think>`; `tool_calls`: parse tool
+        calls of that format out of the content (tools.py);
+        `prompt_logprobs`: the body carries vLLM's `prompt_logprobs` (the prompt is the choices')."""
         super().__init__(tokenizer, model, n)
         self.want_logprobs = logprobs
+        self.show_prompt_logprobs = prompt_logprobs
         self.think_opened = think_opened
-        self.parsers = [DeepSeekR1Parser(think_opened) for _ in range(n)] if reasoning_parser else None
-        self.tool_parsers = [DeepSeekV3ToolParser() for _ in range(n)] if tool_calls else None
+        self.parsers = [DeepSeekR1Parser(think_opened) for _ in range(n)] if reasoning else None
+        self.tool_format = tool_calls
+        self.tool_parsers = [DeepSeekToolParser(tool_calls) for _ in range(n)] if tool_calls else None
         self.called = [False] * n  # choice i streamed a tool call
 
     def _entry(self, token_id: int, logprob: float) -> dict:
@@ -253,12 +328,15 @@ class ChatRender(Render):
             message = {**message, "reasoning_content": reasoning or None, "reasoning": reasoning or None}
         if self.tool_parsers is None:
             return message
-        content, calls = parse(content)
+        content, calls = parse(content, self.tool_format)
         return {**message, "content": content or None, "tool_calls": calls}
 
     def body(self) -> dict:
         choices = [self._choice(i) for i in range(len(self.text))]
-        return {**self.envelope(choices), "usage": self.usage()}
+        out = {**self.envelope(choices), "usage": self.usage()}
+        if self.show_prompt_logprobs:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_lps[0] or [], self.token_text)
+        return out
 
     def _choice(self, i: int) -> dict:
         message = self._message(i)

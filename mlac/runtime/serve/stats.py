@@ -3,8 +3,11 @@ with --enable-log-requests, one line per request at arrival and one at its end.
 
     INFO ... stats: prompt 812.4 tok/s, generation 1,733.0 tok/s, running 32, waiting 4,
              KV cache 41.2%, prefix-cache hit rate 37.5%
-    INFO ... request 7: arrived, 25 prompt tokens, max_tokens=64 temperature=0.6 top_p=0.95 ...
-    INFO ... request 7: finished (length), 25 prompt + 64 generated tokens, 1.204 s
+    INFO ... request 3f2a...: arrived, 25 prompt tokens, max_tokens=64 temperature=0.6 top_p=0.95 ...
+    INFO ... request 3f2a...: finished (length), 25 prompt + 64 generated tokens, 1.204 s
+
+A request is named by its X-Request-Id (request_id.py; choice j of n > 1 as "<id>-j"), or by its
+engine id when it came another way.
 """
 
 from __future__ import annotations
@@ -73,20 +76,20 @@ class StatsLog:
         )
 
 
-def log_arrival(seq_id: int, num_prompt: int, params: SamplingParams) -> None:
-    """--enable-log-requests: a request came in (its id, prompt length and sampling parameters)."""
+def log_arrival(name: str | int, num_prompt: int, params: SamplingParams) -> None:
+    """--enable-log-requests: a request came in (its name, prompt length and sampling parameters)."""
     p = params
     log.info(
-        "request %d: arrived, %d prompt tokens, max_tokens=%d temperature=%g top_p=%g top_k=%d min_p=%g "
+        "request %s: arrived, %d prompt tokens, max_tokens=%d temperature=%g top_p=%g top_k=%d min_p=%g "
         "seed=%s stop=%r stop_token_ids=%r ignore_eos=%s logprobs=%s",
-        seq_id, num_prompt, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, list(p.stop),
+        name, num_prompt, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, list(p.stop),
         list(p.stop_token_ids), p.ignore_eos, p.logprobs,
     )  # fmt: skip
 
 
-def log_finish(seq_id: int, reason: str, num_prompt: int, num_generated: int, seconds: float) -> None:
+def log_finish(name: str | int, reason: str, num_prompt: int, num_generated: int, seconds: float) -> None:
     """--enable-log-requests: a request ended (reason: stop, length, abort or error)."""
     log.info(
-        "request %d: finished (%s), %d prompt + %d generated tokens, %.3f s",
-        seq_id, reason, num_prompt, num_generated, seconds,
+        "request %s: finished (%s), %d prompt + %d generated tokens, %.3f s",
+        name, reason, num_prompt, num_generated, seconds,
     )  # fmt: skip

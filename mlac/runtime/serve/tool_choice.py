@@ -1,6 +1,7 @@
 """A chat request's `tools` and `tool_choice`, resolved once: whether the answer is parsed for tool
 calls (tools.py), and for `required` or a named function, the Lark grammar (llguidance syntax) that
-forces DeepSeek-V3's tool-call block.
+forces DeepSeek's tool-call block, in the server's format (V3's, or V3.1's with
+--tool-call-parser deepseek_v31).
 
     tool_choice    tools offered      output parsed    output forced
     none           yes (vLLM's way)   no               no
@@ -10,7 +11,9 @@ forces DeepSeek-V3's tool-call block.
     left out       auto when the server has --enable-auto-tool-choice, else none
 
 Forcing is constrained decoding (mlac.runtime.engine.constrain): the request's grammar is the Lark text
-of `tool_choice_grammar`, and response_format cannot be given with it.
+of `tool_choice_grammar`, and response_format cannot be given with it. The arguments follow each
+function's parameters schema in the one JSON layout of response_format's schemas (constrain.JSON_OPTIONS:
+no free whitespace), unless the schema asks for another with its own "x-guidance".
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from mlac.runtime.engine.constrain import JSON_OPTIONS
+from mlac.runtime.serve.guided import lark_string
 from mlac.runtime.serve.protocol import ApiError
-from mlac.runtime.serve.tools import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
+from mlac.runtime.serve.tools import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, V3, ToolFormat
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,10 @@ def _named(tool_choice: dict[str, Any], names: list[str]) -> str:
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-               auto_enabled: bool, parallel: bool = True) -> ToolPlan:  # fmt: skip
+               auto_enabled: bool, parallel: bool = True, fmt: ToolFormat = V3) -> ToolPlan:  # fmt: skip
     """The ToolPlan of a request (see the module's table); 400 for a choice it cannot have.
-    `auto_enabled`: the server runs with --enable-auto-tool-choice (and a tool-call parser)."""
+    `auto_enabled`: the server runs with --enable-auto-tool-choice (and a tool-call parser);
+    `fmt`: the tool-call format a forced answer is written in."""
     names = _names(tools or [])
     if tool_choice is None:
         tool_choice = "auto" if names and auto_enabled else "none"
@@ -72,31 +78,29 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     if tool_choice == "auto":
         if not auto_enabled:
             raise ApiError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
-                           "and --tool-call-parser deepseek_v3", param="tool_choice")  # fmt: skip
+                           "and --tool-call-parser", param="tool_choice")  # fmt: skip
         return ToolPlan(parse=True)
     if tool_choice == "required":
-        return ToolPlan(parse=True, grammar=tool_choice_grammar(tools or [], "required", parallel))
+        return ToolPlan(parse=True, grammar=tool_choice_grammar(tools or [], "required", parallel, fmt))
     if isinstance(tool_choice, dict):
         _named(tool_choice, names)
-        return ToolPlan(parse=True, grammar=tool_choice_grammar(tools or [], tool_choice, parallel))
+        return ToolPlan(parse=True, grammar=tool_choice_grammar(tools or [], tool_choice, parallel, fmt))
     raise ApiError(400, f"tool_choice: {json.dumps(tool_choice)} is not one of none, auto, required or "
                    "a function", param="tool_choice")  # fmt: skip
 
 
-def _lark_string(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
 def _schema(tool: dict[str, Any]) -> str:
-    """A tool's parameters schema as JSON (an object of any fields when it gives none)."""
+    """A tool's parameters schema as JSON (an object of any fields when it gives none), in
+    response_format's JSON layout unless it names its own ("x-guidance")."""
     params = tool["function"].get("parameters")
-    return json.dumps(params if isinstance(params, dict) and params else {"type": "object"}, sort_keys=True)
+    schema = params if isinstance(params, dict) and params else {"type": "object"}
+    return json.dumps({"x-guidance": JSON_OPTIONS, **schema}, sort_keys=True)
 
 
 def tool_choice_grammar(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any],
-                        parallel: bool = True) -> str:  # fmt: skip
+                        parallel: bool = True, fmt: ToolFormat = V3) -> str:  # fmt: skip
     """Lark text (llguidance: `<token>` is a special token, `%json {...}` a JSON schema) that forces
-    DeepSeek-V3's tool-call block: for "required", one call (or several, `parallel`) of any of
+    DeepSeek's tool-call block in `fmt`: for "required", one call (or several, `parallel`) of any of
     `tools`; for {"type": "function", "function": {"name"}}, one call of that function. Each call's
     arguments follow its function's parameters schema."""
     names = _names(tools)
@@ -104,11 +108,15 @@ def tool_choice_grammar(tools: list[dict[str, Any]], tool_choice: str | dict[str
     if isinstance(tool_choice, dict):
         chosen = [names.index(_named(tool_choice, names))]
         parallel = False
+    between = '"\\n"? ' if fmt.typed else ""  # V3 may put a newline between two calls
     lines = [f"start: {CALLS_BEGIN} calls {CALLS_END}",
-             'calls: call ("\\n"? call)*' if parallel else "calls: call",
+             f"calls: call ({between}call)*" if parallel else "calls: call",
              "call: " + " | ".join(f"call_{k}" for k in chosen)]  # fmt: skip
     for k in chosen:
-        head = _lark_string(f"{names[k]}\n```json\n")
-        lines.append(f'call_{k}: {CALL_BEGIN} "function" {SEP} {head} args_{k} "\\n```" {CALL_END}')
+        if fmt.typed:  # V3: function<sep>NAME, the arguments in a json fence
+            head = lark_string(f"{names[k]}\n```json\n")
+            lines.append(f'call_{k}: {CALL_BEGIN} "function" {SEP} {head} args_{k} "\\n```" {CALL_END}')
+        else:  # V3.1: NAME<sep>, the arguments
+            lines.append(f"call_{k}: {CALL_BEGIN} {lark_string(names[k])} {SEP} args_{k} {CALL_END}")
         lines.append(f"args_{k}: %json {_schema(tools[k])}")
     return "\n".join(lines) + "\n"

@@ -131,7 +131,7 @@ def _assemble(
     cfg, plan = manifest.model, manifest.plan
     ctx = SINGLE if group is None else ParallelContext(rank, plan.tp, plan.ep, group)
     source = job.path if plan.world_size == 1 else f"{job.path} (rank {rank})"
-    model = DeepseekModel(cfg, Weights(tensors, source=source), ctx, plan.dp_attention)
+    model = DeepseekModel(cfg, Weights(tensors, source=source), ctx, plan.dp_attention, job.options.model)
     dp = DPRank(rank, plan.tp, group) if plan.dp_attention else None
     o = job.options
     kv_dtype, kv_scales = manifest.options.kv_cache_dtype, manifest.quantization.kv_scales

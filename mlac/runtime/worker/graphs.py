@@ -21,12 +21,13 @@ sequence share each KV tile's load, `row_groups`) where `prefer_row_groups` says
 (`grouped_buckets`) are captured a second time in that form, and a step replays the grouped graph
 of the smallest of them that holds it exactly when some sequence runs more than one row. Pure
 decode steps keep the per-row graphs (their kernels are tuned for one row per program).
-MLAC_MLA_ROW_GROUPS=0 captures no grouped graph.
+`DecodeGraphs(row_groups=False)` captures no grouped graph (DP attention; tests compare the forms).
 
 Only the largest bucket runs eagerly before its capture (`capture_buckets`, warm_once): it loads
 every kernel and makes every lazily made buffer; a later bucket runs eagerly too only when its
-capture meets a Triton kernel variant that is not loaded yet. MLAC_GRAPH_WARM_ONCE=0 (read once,
-at import) runs every bucket eagerly first, as multi-rank captures always do.
+capture meets a Triton kernel variant that is not loaded yet (V2-Lite on an H200: 7 eager runs of
+26, the graphs phase 0.4-1.5 s shorter). Multi-rank captures run every bucket eagerly first: a rank
+that fell back alone would run collectives that the others do not.
 
 Padding rows (T..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
 the cache's scratch block (kv_cache.py): they read and write nothing a real sequence owns.
@@ -40,7 +41,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-import os
 import threading
 import time
 import warnings
@@ -54,11 +54,9 @@ from mlac.kernels._triton import CaptureNeedsWarmup, triton
 from mlac.kernels.attention.mla_decode_plan import decode_group_rows, prefer_row_groups, row_groups_host
 from mlac.runtime.kvcache.batch import ForwardBatch
 from mlac.runtime.kvcache.paged import PagedKVCache
-from mlac.runtime.model.attention import ROW_GROUPS
 from mlac.runtime.model.model import DeepseekModel
 from mlac.runtime.step import Step
 
-WARM_ONCE: bool = os.environ.get("MLAC_GRAPH_WARM_ONCE") != "0"  # read once, at import
 log = logging.getLogger("mlac.runtime")
 
 
@@ -273,7 +271,7 @@ class DecodeGraphs:
         row_groups: bool = True,
     ):
         """`row_groups`: capture the grouped form too where the model's heads group
-        (decode_group_rows; not under MLAC_MLA_ROW_GROUPS=0)."""
+        (decode_group_rows); False: every step per row."""
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise MlacError(f"CUDA-graph buckets must be ascending positive sizes, got {buckets}")
         self.model, self.cache, self.buckets = model, cache, list(buckets)
@@ -281,8 +279,7 @@ class DecodeGraphs:
         max_blocks = -(-max_context // cache.block_size)
         self.n_heads = model.layers[0].attn.n_local_heads
         self.kv_dtype = cache.layers[0].dtype
-        groups = row_groups and ROW_GROUPS
-        self.group_rows = decode_group_rows(self.n_heads, device, self.kv_dtype) if groups else 1
+        self.group_rows = decode_group_rows(self.n_heads, device, self.kv_dtype) if row_groups else 1
         self.inputs = DecodeInputs(buckets[-1], max_blocks, cache, device, self.group_rows)
         self.logits = torch.empty(buckets[-1], model.config.vocab_size, dtype=torch.float32, device=device)
         # keep_hidden: the final hidden states too (speculative decoding's MTP layer reads them)
@@ -293,8 +290,8 @@ class DecodeGraphs:
         self.grouped_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # grouped_buckets, grouped form
         self.pool = None
         self.timings: dict[str, float] = {}  # capture's phases (capture_buckets), start-up's record
-        # capture_buckets: multi-rank captures warm every bucket
-        self.warm_once = WARM_ONCE and model.ctx.tp == 1
+        # capture_buckets: multi-rank captures warm every bucket (their collectives line up)
+        self.warm_once = model.ctx.tp == 1
 
     @property
     def max_bs(self) -> int:

@@ -3,7 +3,6 @@ the innermost layer of the options chain (ServerConfig ⊃ EngineOptions ⊃ Run
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,10 +13,11 @@ from mlac.core.errors import MlacError
 from mlac.core.options import Options
 from mlac.core.plan import MAX_BS as MAX_GRAPH_BS
 from mlac.core.plan import decode_buckets
+from mlac.runtime.expect import kv_cache_dtype_of
+from mlac.runtime.model.options import ModelOptions
 from mlac.runtime.worker.kernel_cache import CacheMode
 
 GRAPH_DTYPES = (torch.bfloat16, torch.float16)  # every kernel of the step is a Triton one
-LOAD_OVERLAP_ENV = "MLAC_LOAD_OVERLAP"  # "0": load, then build and capture (the A/B of the overlap)
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,11 @@ class RuntimeOptions(Options):
     memory plan under `gpu_memory_utilization`, see start.plan_kv), the longest context
     (`max_model_len`, default the model's) and the CUDA graphs of decode steps (on CUDA, in a
     GRAPH_DTYPES compute dtype: float32 runs parts of the step through torch references that
-    cannot be captured). `load_overlap` (default: on unless the environment sets
-    MLAC_LOAD_OVERLAP=0): the weights stream in while the model is built and its graphs are
-    captured (build.build_runner); off: load, then build. `require_signature`: a PEM public key;
-    the artifact must be signed with its private key (core/signing.py), its units too to be used."""
+    cannot be captured). `load_overlap`: the weights stream in while the model is built and its
+    graphs are captured (build.build_runner); off (tests): load, then build. `require_signature`: a
+    PEM public key; the artifact must be signed with its private key (core/signing.py), its units
+    too to be used. `model`: the forms the model runs (runtime/model/options.py; its fields are
+    options of this layer by name)."""
 
     device: torch.device | str = "cpu"  # the CLI passes check_device(--device): cuda when a GPU is present
     dtype: torch.dtype = torch.bfloat16
@@ -46,9 +47,13 @@ class RuntimeOptions(Options):
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     draft_layers: int = 0  # KV pools for the MTP layers (speculative decoding; the Engine sets it)
-    dp_attention: bool | None = None  # what the launch expects of the artifact's plan (None: any)
-    load_overlap: bool = field(default_factory=lambda: os.environ.get(LOAD_OVERLAP_ENV, "1") != "0")
+    # what the launch states of the artifact (None: any; checked by runtime/expect.py)
+    dp_attention: bool | None = None
+    tensor_parallel_size: int | None = None  # its plan's tp
+    kv_cache_dtype: str | None = None  # its compiled KV cache dtype, as --kv-cache-dtype names it
+    load_overlap: bool = True
     require_signature: Path | None = None  # a PEM public key the artifact's signature must verify with
+    model: ModelOptions = field(default_factory=ModelOptions)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):  # a name, as the CLI and ServerConfig give it
@@ -64,6 +69,7 @@ class RuntimeOptions(Options):
             raise MlacError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise MlacError(f"--max-model-len {self.max_model_len}: must be at least 1")
+        kv_cache_dtype_of(self.kv_cache_dtype)  # a name it knows (MlacError otherwise)
 
     @property
     def dtype_name(self) -> str:

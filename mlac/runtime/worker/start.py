@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
-from mlac.core.artifact import Manifest, ParallelPlan
-from mlac.core.errors import IntegrityError, MlacError
+from mlac.core.artifact import Manifest
+from mlac.core.errors import IntegrityError
 from mlac.core.validity import check_artifact
 from mlac.runtime.dist.ranks import rank_device
 from mlac.runtime.dist.world import LaunchSpec, World, plan_world
+from mlac.runtime.expect import check_expected
 from mlac.runtime.worker.build import RankJob, build_runner
 from mlac.runtime.worker.distributed import DistributedRunner, run_rank
 from mlac.runtime.worker.memory_plan import KVPlan, bucket_plan, check_max_model_len, plan_ranks
@@ -44,7 +45,7 @@ def make_runner(
     loaded, a KV cache that does not fit (plan_kv).
     """
     options = options or RuntimeOptions()
-    check_dp_attention(manifest.plan, options.dp_attention)
+    check_expected(manifest, options.dp_attention, options.tensor_parallel_size, options.kv_cache_dtype)
     world = plan_world(manifest.plan, launch)
     check_max_model_len(options.max_model_len, manifest.model.max_position_embeddings)
     here = torch.device(options.device) if world.size == 1 else rank_device(world, options.device)
@@ -58,18 +59,6 @@ def make_runner(
     # each rank on its own device: "cuda" is cuda:<its local rank> (rank_device)
     job = RankJob(str(path), replace(options, device=torch.device(options.device).type))
     return run_rank(job, world, spawned=launch.ranks if launch is not None else None)
-
-
-def check_dp_attention(plan: ParallelPlan, expected: bool | None) -> None:
-    """Refuse a launch that expects DP attention of an artifact compiled without it, or the other
-    way (the tensors differ: attention whole on every rank, or sharded by heads)."""
-    if expected is None or expected == plan.dp_attention:
-        return
-    how = "with" if plan.dp_attention else "without"
-    fix = "drop --no-dp-attention" if plan.dp_attention else "recompile with --dp-attention"
-    raise MlacError(
-        f"artifact compiled {how} --dp-attention (tp={plan.tp}); this launch asks otherwise: {fix}"
-    )
 
 
 def plan_kv(manifest: Manifest, device: torch.device, options: RuntimeOptions) -> KVPlan | None:

@@ -16,7 +16,7 @@ from test_overlap import assert_close_logprobs, prompts, run
 
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions
-from mlac.runtime.dist.ranks import CHANNEL_ENV
+from mlac.runtime.dist.world import LaunchSpec
 from mlac.runtime.dist.step_link import FedStep, decode, encode_step
 from mlac.runtime.engine import overlap as overlap_mod
 from mlac.runtime.engine.engine import Engine
@@ -42,10 +42,8 @@ def engine(request, tp2):
     """The tp-2 engine (one multi-rank runner per process at a time: pytest finishes the tests of
     one param before it starts the next): its steps through the shared-memory channel, or over
     gloo as between nodes (--nnodes)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CHANNEL_ENV, request.param)
-        e = Engine.from_artifact(tp2, dtype=torch.float32, verify=False, **CACHE)
-    with e:
+    launch = LaunchSpec(step_channel=request.param)
+    with Engine.from_artifact(tp2, dtype=torch.float32, verify=False, launch=launch, **CACHE) as e:
         assert (e.runner.group.control.channel is None) == (request.param == "gloo")
         yield e
 

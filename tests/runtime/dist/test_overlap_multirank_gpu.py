@@ -12,10 +12,7 @@ from mlac.core.artifact import CompileOptions
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.worker import distributed as distributed_mod
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-]
+pytestmark = pytest.mark.gpu(2)
 
 
 def test_cuda_graphs_give_the_same_greedy_tokens_with_overlap(checkpoint, tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""The shared-memory step channel (runtime/shm_channel.py) alone, with readers in other processes,
+"""The shared-memory step channel (runtime/dist/shm_channel.py) alone, with readers in other processes,
 and as the multi-rank step link (step_link.StepLink): the same tokens as one rank over the channel, over
-gloo (MLAC_STEP_CHANNEL=gloo) and over both (small slots); nothing left in /dev/shm.
+gloo (LaunchSpec(step_channel="gloo")) and over both (small slots); nothing left in /dev/shm.
 
 Every wait is bounded (timeout_s, join timeouts): a broken channel fails a test, never hangs it.
 """
@@ -25,6 +25,7 @@ from mlac.core.errors import MlacError
 from mlac.runtime.dist import ranks as dist_mod
 from mlac.runtime.dist.shm_channel import PREFIX, SHM_DIR, ShmChannel, pid_alive
 from mlac.runtime.dist.step_link import STOP, SpecOp, decode, encode_spec, encode_step
+from mlac.runtime.dist.world import LaunchSpec
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.step import Step
 
@@ -234,13 +235,13 @@ class SmallSlots(ShmChannel):
 
 @pytest.mark.parametrize("mode", ["shm", "gloo", "small-slots"])
 def test_tp2_gives_the_one_rank_tokens(mode, tp, monkeypatch):
-    monkeypatch.setenv("MLAC_STEP_CHANNEL", "gloo" if mode == "gloo" else "shm")
+    launch = LaunchSpec(step_channel="gloo" if mode == "gloo" else "shm")
     if mode == "small-slots":
         monkeypatch.setattr(dist_mod, "ShmChannel", SmallSlots)
     prompts = [PROMPT, PROMPT[:9]]
     with Engine.from_artifact(tp(1), dtype=torch.float32, **CACHE) as one:
         want = [c.token_ids for c in one.generate(prompts, max_tokens=8, temperature=0)]
-    with Engine.from_artifact(tp(2), dtype=torch.float32, **CACHE) as engine:
+    with Engine.from_artifact(tp(2), dtype=torch.float32, launch=launch, **CACHE) as engine:
         link = engine.runner.group.control
         assert (link.channel is None) == (mode == "gloo")
         assert segments(os.getpid()) == []  # unlinked once rank 1 attached
@@ -287,10 +288,9 @@ def test_the_other_ranks_exit_when_rank_0_is_killed(tp):
         rank0.kill()
 
 
-def test_an_unknown_step_channel_is_a_one_line_error(tp, monkeypatch):
-    """MLAC_STEP_CHANNEL other than shm or gloo: the start fails naming the variable, the other rank
-    exits, and nothing is left in /dev/shm."""
-    monkeypatch.setenv("MLAC_STEP_CHANNEL", "tcp")
-    with pytest.raises(MlacError, match=r"MLAC_STEP_CHANNEL=tcp: say shm or gloo"):
-        Engine.from_artifact(tp(2), dtype=torch.float32, **CACHE)
+def test_an_unknown_step_channel_is_a_one_line_error(tp):
+    """A step channel other than shm or gloo is refused when the launch is made, naming the
+    field: no rank starts, nothing is left in /dev/shm."""
+    with pytest.raises(MlacError, match=r"step_channel='tcp': say shm or gloo"):
+        Engine.from_artifact(tp(2), dtype=torch.float32, launch=LaunchSpec(step_channel="tcp"), **CACHE)
     assert segments(os.getpid()) == []

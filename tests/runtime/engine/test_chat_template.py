@@ -199,6 +199,7 @@ def test_generate_chat_adds_bos_once(jinja_artifact, tmp_path):
 DS_TEMPLATES = (
     "deepseek_v3",
     "deepseek_r1",
+    "deepseek_v31",
     "vllm_tool_chat_template_deepseekv3",
     "vllm_tool_chat_template_deepseekr1",
 )
@@ -281,3 +282,22 @@ def test_deepseek_templates_render_the_turns_as_published(ds_dirs):
         calls[:2], tools=TOOLS
     )
     assert "You may call one or more functions" in vllm and '"name": "weather"' in vllm
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_v31_template_switches_thinking_and_writes_v31_calls(ds_dirs, thinking):
+    """V3.1's hybrid thinking through chat_template_kwargs: the prompt ends in <think> (thinking)
+    or </think>; its tool calls are `NAME<sep>ARGS`, without a type or a fence. Parity too."""
+    tok, ask = Tokenizer(ds_dirs["deepseek_v31"]), DS_CONVERSATIONS["system + multi-turn"]
+    text = tok.apply_chat_template(ask, thinking=thinking)
+    assert text.endswith("<｜User｜>how are you?<｜Assistant｜>" + ("<think>" if thinking else "</think>"))
+    assert tok.encode_chat(ask, thinking=thinking) == _hf_ids(
+        ds_dirs["deepseek_v31"], ask, add_generation_prompt=True, thinking=thinking
+    )
+    conversation = DS_CONVERSATIONS["two calls, consecutive results, answer"]
+    calls = tok.apply_chat_template(conversation, thinking=thinking)
+    assert (
+        "<｜Assistant｜></think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>weather<｜tool▁sep｜>"
+        '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>time<｜tool▁sep｜>' in calls
+    )
+    assert "<｜tool▁output▁begin｜>sunny, 21 C<｜tool▁output▁end｜>" in calls

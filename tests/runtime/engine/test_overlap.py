@@ -264,7 +264,6 @@ def test_the_flag_is_wired(command, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_give_the_same_greedy_tokens_with_overlap(artifact, steady):
     """On by default on CUDA: greedy tokens identical to the serial scheduler's, through the CUDA
     graphs (the next step's ids taken on the device), at batch sizes 1, 3 and 17. Every request

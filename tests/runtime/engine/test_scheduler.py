@@ -66,7 +66,9 @@ def test_chunked_prefill_spans_steps_mixed_with_decodes(engine, monkeypatch):
     ]
     alone = [engine.generate(p, sp).token_ids for p, sp in zip([short, long_a, long_b], params, strict=True)]
     steps = record_steps(monkeypatch, engine)
-    sched = engine.scheduler(SchedulerConfig(max_running_requests=2, chunked_prefill_size=8, prefix_cache=False))
+    sched = engine.scheduler(
+        SchedulerConfig(max_running_requests=2, chunked_prefill_size=8, prefix_cache=False)
+    )
     seqs = [engine.new_sequence(p, sp) for p, sp in zip([short, long_a, long_b], params, strict=True)]
     for s in seqs:
         sched.add(s)

@@ -239,7 +239,6 @@ def test_verify_and_draft_steps_through_the_graph_buffers(plain, artifact):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cuda_graphs_of_speculative_steps(artifact, fp8):
     """On a GPU: the captured verify (DecodeGraphs) and draft (DraftGraphs) steps give the tokens of

@@ -120,7 +120,6 @@ def test_a_stop_token_in_flight_admission_and_abort(plain, artifact, monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_overlap_equals_the_synchronous_steps(artifact, monkeypatch):
     """On a GPU (captured chains, pinned copies behind events): the same tokens with and without
     overlap, at batch 1, 3 and 8 with different max_tokens, and steady steps among them."""

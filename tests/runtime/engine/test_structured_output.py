@@ -147,7 +147,9 @@ def test_bad_schemas_and_grammars_name_response_format(engine):
             engine.new_sequence("Hi", SamplingParams(grammar=spec))
         assert e.value.param == "response_format"
     with pytest.raises(InvalidGrammar):
-        GrammarSpec("regex", "a+")
+        GrammarSpec("xml", "<a/>")
+    with pytest.raises(InvalidGrammar, match="response_format") as e:
+        engine.new_sequence("Hi", SamplingParams(grammar=GrammarSpec("regex", "a+(")))
     with pytest.raises(ValueError, match="grammar"):
         SamplingParams(grammar='{"type": "object"}')
 
@@ -277,8 +279,8 @@ def test_json_object_guided_json_streaming_and_errors(server):
             c.chat.completions.create(model=MODEL, messages=msgs, response_format=fmt, max_tokens=8)
         assert e.value.body["param"] == param
     r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": MODEL, "prompt": "x", "guided_regex": "a+"})  # fmt: skip
-    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+                   json={"model": MODEL, "prompt": "x", "guided_regex": "a+("})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"  # does not compile
 
 
 # ---- the GPU benchmark's script, run small on CPU so that it is known to run --------------------

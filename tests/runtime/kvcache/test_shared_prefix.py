@@ -1,5 +1,5 @@
 """A cached prefix that several sequences of an extend step share (runtime/shared_prefix.py), and
-the cascade attention over it (attention_forms.extend_shared): the same attention as each sequence
+the cascade attention over it (model/attention.extend_shared): the same attention as each sequence
 over all of its tokens, the rule that picks it, its warm-up, and the same greedy tokens end to end."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import types
 import pytest
 import torch
 
-import mlac.runtime.engine.engine as engine_mod
 import mlac.runtime.model.model as model_mod
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.engine.sampling import SamplingParams
@@ -99,15 +98,14 @@ def test_same_tokens_through_the_engine(artifact, monkeypatch, preset):
     logprobs with the cascade (forced, whatever the rule says) are those of the plain extend."""
     config = SchedulerConfig(max_running_requests=8, chunked_prefill_size=64)
     kw = dict(dtype=torch.float32, verify=False, block_size=BS, scheduler=config)
-    engine = Engine.from_artifact(artifact(preset), **kw)
     system = list(range(40, 62))  # 5 whole blocks and half of one
     prompts = [system + [7 + i] * (3 + i) for i in range(4)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    monkeypatch.setattr(model_mod, "prefer_shared", lambda *a: True)
 
     def generate(cascade: bool):
-        engine.pool.prefix.clear()
-        monkeypatch.setattr(model_mod, "SHARED_PREFIX", cascade)
-        monkeypatch.setattr(model_mod, "prefer_shared", lambda *a: True)
+        engine = Engine.from_artifact(artifact(preset), shared_prefix=cascade, **kw)
+        engine.pool.prefix.clear()  # what the warm-up cached
         engine.generate([system + [3]], SamplingParams(max_tokens=1))  # caches it
         return engine.generate(prompts, params)
 
@@ -128,10 +126,10 @@ def test_same_tokens_through_the_engine(artifact, monkeypatch, preset):
 def test_warmup_runs_the_cascade(artifact, monkeypatch):
     """Engine warm-up (prepare's too) meets the cascade's kernel when it is on: sharers and a
     sequence that shares nothing in one step, a prefix long enough that the rule takes it."""
-    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
-    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", False)
-    assert engine._warm_shared_prefix() == []
-    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", True)
+    kw = dict(dtype=torch.float32, verify=False)
+    plain = Engine.from_artifact(artifact("tiny-v3"), shared_prefix=False, **kw)
+    assert plain._warm_shared_prefix() == []
+    engine = Engine.from_artifact(artifact("tiny-v3"), **kw)
     calls = []
     real = model_mod.extend_shared
     monkeypatch.setattr(model_mod, "extend_shared", lambda *a: (calls.append(a[5]), real(*a))[1])
@@ -147,7 +145,6 @@ def test_warmup_step_is_larger_than_the_graphs_take(artifact, monkeypatch):
     """A step of at most the graphs' largest bucket replays a graph, not the eager extend: the
     warm-up's cascade step is larger (here a stand-in for graphs of up to 200 rows)."""
     engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False)
-    monkeypatch.setattr(engine_mod, "SHARED_PREFIX", True)
     monkeypatch.setattr(
         engine.runner, "graphs", types.SimpleNamespace(max_bs=200, can_run=lambda step: False)
     )
@@ -159,7 +156,6 @@ def test_warmup_step_is_larger_than_the_graphs_take(artifact, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cascade_on_the_gpu():
     """Triton kernels, bf16, DeepSeek's head dims: 8 sequences of 64 new tokens after a shared
     1,024-token prefix (and 16 more cached tokens of their own), against the plain extend."""

@@ -80,7 +80,6 @@ def test_fp8_gemms_read_their_input_quantized_by_its_producer(preset, artifact, 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset", PRESETS)
 def test_gpu_cuda_graph_decode_gives_the_tokens_of_before(preset, artifact):
     """Triton kernels, decode replayed from CUDA graphs: the fused kernels give the bits of

@@ -1,7 +1,7 @@
-"""MLAC_FUSED_MLA_OUT in the model: with an FP8 `wo`, the decode's attention output reaches it as
-an Fp8Act made by the v-absorb head_bmm (no act_quant of its own), and the tokens are those of the
-separate launches (the switch off). On CPU both run the references: the same bits by construction
-of `quantize_act_ref`; kernel-level bit equality is in tests/kernels/test_mla_out_fused.py.
+"""ModelOptions.fused_mla_out in the model: with an FP8 `wo`, the decode's attention output reaches
+it as an Fp8Act made by the v-absorb head_bmm (no act_quant of its own), and the tokens are those of
+the separate launches (the option off). On CPU both run the references: the same bits by
+construction of `quantize_act_ref`; kernel-level bit equality is in tests/kernels/test_mla_out_fused.py.
 
 The tiny presets have v_head_dim 32 (a 128-channel group would span 4 heads): this model is
 tiny-v2-lite with v_head_dim 128, where each head's output is one group.
@@ -19,7 +19,6 @@ from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.model import attention as attention_forms
 from mlac.synth import synthesize
 from mlac.synth.presets import PRESETS
 
@@ -37,8 +36,7 @@ def fp8_v128(tmp_path_factory):
 
 def _run(path, monkeypatch, fused: bool) -> tuple[list[int], list[tuple[int, bool]]]:
     """(greedy tokens, (rows, reads an Fp8Act) of every `wo` call)."""
-    monkeypatch.setattr(attention_forms, "FUSED_MLA_OUT", fused)
-    engine = Engine.from_artifact(path)
+    engine = Engine.from_artifact(path, fused_mla_out=fused)
     wo = {id(layer.attn.wo.weight) for layer in engine.runner.model.layers}
     calls = []
     real = layers.fp8_linear
@@ -62,4 +60,4 @@ def test_fp8_wo_reads_head_bmm_quantized_output(fp8_v128, monkeypatch):
     decode_on = [act for rows, act in on if rows == 1]
     assert decode_on and all(decode_on)  # every decode step's wo reads head_bmm's Fp8Act
     assert not any(act for rows, act in on if rows > 1)  # prefill: the extend output, a tensor
-    assert off and not any(act for _, act in off)  # switch off: wo quantizes, as before
+    assert off and not any(act for _, act in off)  # option off: wo quantizes its input itself

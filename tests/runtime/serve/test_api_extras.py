@@ -1,6 +1,7 @@
 """API defaults and extras: n > 1 (completions and chat, streaming too), /tokenize and /detokenize
 in vLLM's shapes, generation_config.json as the default sampling (--generation-config), chat
-tools and chat_template_kwargs through the server, and a 400 naming each unsupported field."""
+tools and chat_template_kwargs through the server, and a 400 naming each unsupported field
+(the vLLM sampling fields mlac implements: test_vllm_fields.py)."""
 
 from __future__ import annotations
 
@@ -128,8 +129,8 @@ def test_tokenize_bad_input_is_400(server, route, body, param):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("repetition_penalty", 1.1),
-     ("use_beam_search", True), ("min_tokens", 3), ("n", 17), ("functions", [{"name": "f"}])],
+    [("use_beam_search", True), ("length_penalty", 0.5), ("n", 17), ("functions", [{"name": "f"}]),
+     ("guided_whitespace_pattern", r"\s*")],
 )  # fmt: skip
 def test_unsupported_fields_are_400_naming_them(server, field, value):
     c = client(server)
@@ -144,7 +145,7 @@ def test_unsupported_fields_are_400_naming_them(server, field, value):
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):
-    extra = {"logit_bias": {}, "presence_penalty": 0, "repetition_penalty": 1.0, "use_beam_search": False}
+    extra = {"length_penalty": 1.0, "use_beam_search": False, "functions": [], "function_call": "none"}
     r = client(server).completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body=extra)
     assert r.choices[0].finish_reason in ("length", "stop")
 

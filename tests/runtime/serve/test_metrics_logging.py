@@ -76,25 +76,52 @@ class Delta:
 # ---- /metrics -------------------------------------------------------------------------------------
 
 
+PROCESS_METRICS = ("process_", "python_info")  # prometheus_client's collectors, unprefixed as vLLM's
+
+
 def test_every_metric_is_mlac_prefixed_and_carries_model_name(server):
     assert complete(server, max_tokens=3).status_code == 200
     wait_idle(server)
     samples = scrape(server)
     names = {name for name, _ in samples}
     for name, labels in samples:
+        if name.startswith(PROCESS_METRICS):
+            continue
         assert name.startswith("mlac:"), name
         assert dict(labels).get("model_name") == MODEL, (name, labels)
     for want in ("mlac:num_requests_running", "mlac:num_requests_waiting", "mlac:kv_cache_usage_perc",
                  "mlac:prompt_tokens_total", "mlac:generation_tokens_total", "mlac:request_success_total",
                  "mlac:time_to_first_token_seconds_bucket", "mlac:inter_token_latency_seconds_bucket",
                  "mlac:e2e_request_latency_seconds_bucket", "mlac:request_queue_time_seconds_bucket",
-                 "mlac:prefix_cache_queries_total", "mlac:prefix_cache_hits_total",
-                 "mlac:iteration_tokens_total_bucket"):  # fmt: skip
+                 "mlac:request_prefill_time_seconds_bucket", "mlac:request_decode_time_seconds_bucket",
+                 "mlac:request_inference_time_seconds_bucket", "mlac:prefix_cache_queries_total",
+                 "mlac:prefix_cache_hits_total", "mlac:iteration_tokens_total_bucket",
+                 "process_cpu_seconds_total", "process_resident_memory_bytes", "python_info"):  # fmt: skip
         assert want in names, want
     reasons = {
         dict(labels)["finished_reason"] for name, labels in samples if name == "mlac:request_success_total"
     }
     assert reasons == {"stop", "length", "abort", "error"}  # every outcome exported, 0 until it happens
+
+
+def test_a_requests_phases_add_up(server):
+    wait_idle(server)
+    before = scrape(server)
+    assert complete(server, max_tokens=6).status_code == 200
+    wait_idle(server)
+    after = scrape(server)
+
+    def delta(metric: str) -> float:
+        key = (f"mlac:{metric}", (("model_name", MODEL),))
+        return after[key] - before.get(key, 0.0)
+
+    kinds = ("queue", "prefill", "decode", "inference")
+    phases = {m: delta(f"request_{m}_time_seconds_sum") for m in kinds}
+    counts = {m: delta(f"request_{m}_time_seconds_count") for m in kinds}
+    assert counts == {"queue": 1, "prefill": 1, "decode": 1, "inference": 1}
+    assert phases["decode"] > 0 and phases["prefill"] > 0
+    assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], rel=1e-6)
+    assert phases["queue"] + phases["inference"] <= delta("e2e_request_latency_seconds_sum") + 1e-6
 
 
 def test_buckets_are_vllms():
@@ -194,14 +221,21 @@ def test_the_stats_line_appears_while_busy_and_not_while_idle(server, caplog):
 def test_request_lines_at_arrival_and_end(server, caplog):
     wait_idle(server)
     with caplog.at_level(logging.INFO, logger="mlac.server"):
-        complete(server, max_tokens=3, temperature=0.5, seed=7)
+        r = complete(server, max_tokens=3, temperature=0.5, seed=7)
+        named = httpx.post(f"{server.url}/v1/completions", headers={"X-Request-Id": "job-42"},
+                           json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "n": 2, "ignore_eos": True})  # fmt: skip
         wait_idle(server)
     text = "\n".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("request "))
     arrived = re.search(
-        r"request (\d+): arrived, 12 prompt tokens, max_tokens=3 temperature=0.5 .*seed=7", text
+        r"request ([0-9a-f]{32}): arrived, 12 prompt tokens, max_tokens=3 temperature=0.5 .*seed=7", text
     )
     assert arrived, text
+    assert arrived[1] == r.headers["x-request-id"]  # the id the server gave the request
     assert f"request {arrived[1]}: finished (length), 12 prompt + 3 generated tokens, " in text
+    assert named.headers["x-request-id"] == "job-42"  # the client's id, choice j of n named <id>-j
+    for j in (0, 1):
+        assert f"request job-42-{j}: arrived, 3 prompt tokens" in text
+        assert f"request job-42-{j}: finished (length), 3 prompt + 2 generated tokens" in text
 
 
 def test_logs_are_off_as_told(artifact, server, caplog):
@@ -282,3 +316,8 @@ def test_the_dashboard_queries_metrics_that_exist(server):
     families = list(text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text))
     names = {f.name for f in families} | {s.name for f in families for s in f.samples}
     assert len(used) >= 12 and used - names == set()
+    assert {"mlac:spec_decode_num_drafts_total", "mlac:spec_decode_num_draft_tokens_total",
+            "mlac:spec_decode_num_accepted_tokens_total", "mlac:triton_jit_compiles_total",
+            "mlac:request_prefill_time_seconds", "mlac:request_decode_time_seconds"} <= used  # fmt: skip
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))

@@ -1,4 +1,4 @@
-"""The DeepSeek-R1 reasoning parser (issue 16 part 1): the parser alone over every way of cutting the
+"""The DeepSeek-R1 reasoning parser: the parser alone over every way of cutting the
 same text into deltas, and through the server with the official openai client (streaming and not),
 the engine's text replaced by a scripted one so that the split is known."""
 

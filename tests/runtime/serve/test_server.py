@@ -577,3 +577,5 @@ def test_demo_end_to_end(tmp_path, tp):
     r = CliRunner().invoke(main, ["demo", "--tp", str(tp), "--work", str(tmp_path), "--max-tokens", "3"])
     assert r.exit_code == 0, r.output
     assert "assistant:" in r.output and "timings: compile" in r.output and "load to ready" in r.output
+    call = next(x for x in r.output.splitlines() if x.startswith("forced tool call"))
+    assert call.startswith('forced tool call (tool_choice get_weather): get_weather({"city": "')

@@ -1,4 +1,4 @@
-"""Tool calling (issue 16 part 2): the DeepSeek-V3 tool-call parser alone over every way of cutting
+"""Tool calling: the DeepSeek-V3 tool-call parser alone over every way of cutting
 the same text into deltas; tool_choice and its Lark grammar, checked with llguidance over a
 tokenizer with DeepSeek's tool tokens; and a round trip (call, result, answer) through the server
 with the official openai client, streaming and not, the engine's text replaced by a scripted one."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 from pathlib import Path
 
 import openai
@@ -20,7 +19,7 @@ from mlac.runtime.serve import ServerConfig, ServerThread
 from mlac.runtime.serve import app as app_module
 from mlac.runtime.serve.protocol import ApiError
 from mlac.runtime.serve.tool_choice import ToolPlan, plan_tools, tool_choice_grammar
-from mlac.runtime.serve.tools import DeepSeekV3ToolParser, merge, parse
+from mlac.runtime.serve.tools import V3, DeepSeekToolParser, merge, parse
 
 KEY, MODEL = "sk-test", "tiny"
 BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -61,7 +60,7 @@ def fixed_ids():
 
 
 def run_stream(pieces: list[str]) -> tuple[str, list[dict], list[dict]]:
-    parser = DeepSeekV3ToolParser(fixed_ids())
+    parser = DeepSeekToolParser(V3, fixed_ids())
     parts = [parser.feed(p) for p in pieces] + [parser.finish()]
     deltas = [d for _, ds in parts for d in ds]
     return "".join(c for c, _ in parts), merge(deltas), deltas
@@ -74,7 +73,7 @@ def calls_of(expected: list[tuple[str, str]]) -> list[dict]:
 
 @pytest.mark.parametrize("text,expected", CASES)
 def test_parse_whole_text(text, expected):
-    content, calls = parse(text, fixed_ids())
+    content, calls = parse(text, V3, fixed_ids())
     assert (content, calls) == (expected[0], calls_of(expected[1]))
 
 
@@ -106,7 +105,7 @@ def test_stream_deltas_have_openai_shape():
 
 
 def test_held_back_marker_is_released_as_content():
-    parser = DeepSeekV3ToolParser()
+    parser = DeepSeekToolParser()
     assert parser.feed("a <｜tool▁") == ("a ", [])
     assert parser.feed("x") == ("<｜tool▁x", [])
     assert parser.finish() == ("", [])
@@ -117,7 +116,7 @@ def render_both(text: str, size: int) -> tuple[dict, dict]:
     both parsers (R1's reasoning, then tool calls in the content)."""
     from mlac.runtime.serve.render import ChatRender
 
-    stream, whole = (ChatRender(None, MODEL, False, 1, "deepseek_r1", False, True) for _ in range(2))
+    stream, whole = (ChatRender(None, MODEL, False, 1, True, False, V3) for _ in range(2))
     parts = pieces(text, size)
     got = {"reasoning_content": "", "content": "", "tool_calls": [], "finish_reason": None}
     for k, piece in enumerate(parts):
@@ -215,7 +214,9 @@ def test_required_grammar_accepts_calls_of_the_tools(matcher):
     accepts = matcher(tool_choice_grammar(TOOLS, "required"))
     assert accepts(BEGIN + WEATHER + END)
     assert accepts(BEGIN + WEATHER + "\n" + TIME + END)
-    assert accepts(BEGIN + call_text("weather", '{"city":"Paris"}') + END)  # any JSON spacing
+    # the arguments in response_format's one JSON layout: no free whitespace to spend tokens on
+    assert not accepts(BEGIN + call_text("weather", '{"city":"Paris"}') + END)
+    assert not accepts(BEGIN + call_text("weather", '{ "city" : "Paris" }') + END)
     assert not accepts("Paris is sunny.")  # no call
     assert not accepts(BEGIN + call_text("nope", "{}") + END)  # not a tool
     assert not accepts(BEGIN + call_text("weather", '{"town": "Paris"}') + END)  # off the schema
@@ -376,32 +377,11 @@ def test_a_template_that_fails_on_the_messages_is_a_400(artifact, script):
             ask(srv, [*ASK, turn, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], False)
 
 
-@pytest.fixture(scope="module")
-def tool_server(checkpoint, tmp_path_factory):
-    """tiny-v3 with a tokenizer that has DeepSeek's tool tokens (the grammar of a forced call names them)."""
-    from mlac.compiler.pipeline import compile_checkpoint
-    from mlac.core.artifact import CompileOptions
-
-    root = tmp_path_factory.mktemp("tool-ckpt")
-    ckpt = shutil.copytree(checkpoint("tiny-v3"), root / "ckpt")
-    deepseek_tokenizer_dir(ckpt, template("deepseek_v3"), vocab_size=1000)  # + 13 added ids < 1024
-    compile_checkpoint(ckpt, root / "art", CompileOptions())
-    with serve(root / "art") as srv:
-        yield srv
-
-
-def test_a_forced_call_needs_the_tool_tokens(server):
-    """The synthetic tokenizer has no tool-call tokens: the forced call's grammar cannot compile."""
-    with pytest.raises(openai.BadRequestError, match="tools: cannot compile the lark grammar"):
-        ask(server, ASK, False, tool_choice="required")
-
-
 @pytest.mark.parametrize("choice", ["required", NAMED])
-def test_required_and_named_set_the_grammar(tool_server, script, choice):
+def test_required_and_named_set_the_grammar(server, script, choice):
     """Each choice samples under the tool-call grammar; response_format cannot come with it."""
     from mlac.runtime.engine.constrain import GrammarSpec
 
-    server = tool_server
     with pytest.raises(openai.BadRequestError, match="cannot be combined with tool_choice"):
         ask(server, ASK, False, tool_choice=choice, response_format={"type": "json_object"})
     script.answers = [pieces(BEGIN + TIME + END)]
@@ -411,21 +391,42 @@ def test_required_and_named_set_the_grammar(tool_server, script, choice):
     assert grammar == GrammarSpec("lark", tool_choice_grammar(TOOLS, choice))
 
 
-def test_a_forced_call_sampled_from_random_weights_is_a_valid_call(tool_server):
-    """The real engine under the grammar of tool_choice required: whatever random weights prefer,
-    the answer is one or more complete calls of the offered tool with arguments valid under its
-    schema, for several seeds."""
-    pick = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object",
-            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
-            "required": ["n", "ok"], "additionalProperties": False}}}  # fmt: skip
-    c = client(tool_server)
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "pick"}}])
+def test_a_forced_call_sampled_from_random_weights_is_a_valid_call(server, choice):
+    """The real engine (the synthetic tokenizer: DeepSeek's tool tokens are among its added ones)
+    under the grammar of tool_choice required or naming the function: whatever random weights
+    prefer, the answer is one complete call of the offered tool with arguments valid under its
+    schema, in response_format's one JSON layout, for several seeds."""
+    c = client(server)
     for seed in range(4):
-        choice = c.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[pick], tool_choice="required", max_tokens=200,
+        answer = c.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[PICK], tool_choice=choice, max_tokens=200,
             temperature=1.0, seed=seed, parallel_tool_calls=False,
         ).choices[0]  # fmt: skip
-        assert choice.finish_reason == "tool_calls", (seed, choice)
-        (call,) = choice.message.tool_calls
+        assert answer.finish_reason == "tool_calls", (seed, answer)
+        (call,) = answer.message.tool_calls
         args = json.loads(call.function.arguments)
         assert call.function.name == "pick" and set(args) == {"n", "ok"}
         assert 0 <= args["n"] <= 9 and isinstance(args["ok"], bool)
+        assert call.function.arguments == json.dumps(args)  # no free whitespace
+
+
+def test_a_tool_schema_may_ask_for_its_own_json_layout(matcher):
+    free = {"type": "function", "function": {"name": "weather", "parameters": {
+            "x-guidance": {"whitespace_flexible": True}, "type": "object",
+            "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+    accepts = matcher(tool_choice_grammar([free], "required"))
+    assert accepts(BEGIN + call_text("weather", '{"city":"Paris"}') + END)
+    assert accepts(BEGIN + call_text("weather", '{ "city" : "Paris" }') + END)
+
+
+def test_a_parameters_schema_that_cannot_compile_is_a_400_naming_tools(server):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).chat.completions.create(model=MODEL, messages=ASK, tools=[bad], tool_choice="required")
+    assert e.value.body["param"] == "tools" and "tools: cannot compile" in e.value.body["message"]

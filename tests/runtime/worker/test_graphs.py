@@ -140,7 +140,6 @@ def test_scratch_block_is_never_allocated(artifact):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v3", True)])
 def test_cuda_graphs_give_the_tokens_of_the_same_step_run_eagerly(artifact, preset, fp8):
     """Greedy outputs of the replayed graphs equal those of the same padded steps run eagerly, at
@@ -191,7 +190,6 @@ if triton is not None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("block_per_bucket", [False, True])
 def test_warm_once_runs_eagerly_only_for_new_kernel_variants(block_per_bucket):
     """capture_buckets(warm_once=True): after the largest bucket's eager run, a bucket whose Triton

@@ -242,7 +242,6 @@ def test_a_tampered_file_that_holds_no_tensors_is_refused(artifact, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_load_through_pinned_staging_equals_the_cpu_load(pristine, monkeypatch):
     monkeypatch.setattr(readpass, "CHUNK", 4096)  # many staged copies per file, both buffers reused
     cpu = load_artifact(pristine, dtype=torch.bfloat16).tensors

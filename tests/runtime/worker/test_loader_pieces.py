@@ -161,7 +161,6 @@ def test_a_file_in_pieces_loads_bit_identically_with_any_threads(pieced, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pieces_on_cuda_through_pinned_staging_equal_the_cpu_load(pieced, monkeypatch):
     monkeypatch.setattr(readpass, "CHUNK", 300)  # many staged copies per piece, both buffers reused
     cpu = load_artifact(pieced, dtype=torch.bfloat16).tensors
@@ -289,7 +288,9 @@ def test_a_newer_schema_version_is_refused_clearly(art):
     m = json.loads((art / "manifest.json").read_text())
     m["schema_version"] = 4
     (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(MlacError, match=r"schema_version 4 is newer than this mlac reads \(1, 2, 3\); upgrade"):
+    with pytest.raises(
+        MlacError, match=r"schema_version 4 is newer than this mlac reads \(1, 2, 3\); upgrade"
+    ):
         Manifest.load(art)
 
 

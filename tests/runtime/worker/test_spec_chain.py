@@ -248,7 +248,6 @@ def test_logprobs_requests_take_the_per_replay_path(plain, artifact, monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_captured_chain_equals_its_eager_body(artifact, monkeypatch, fp8):
     """On a GPU: the scheduler's start captures the chain of every bucket whose K + 1 rows per

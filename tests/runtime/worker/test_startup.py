@@ -1,4 +1,4 @@
-"""Start-up (issue 12 parts 4 and 5): the KV cache sized from the memory plan on CUDA (with a fake
+"""Start-up: the KV cache sized from the memory plan on CUDA (with a fake
 GPU's memory), --max-model-len, the flags of serve / generate / bench, the one-line refusals (a plan
 that does not fit, a busy port) and the start-up summary line and /health's phases."""
 

@@ -1,4 +1,4 @@
-"""Start-up with the load overlapped (issue 12): the weights stream in while the model is built and
+"""Start-up with the load overlapped: the weights stream in while the model is built and
 its CUDA graphs are captured (loader.start_load, runner.build_runner). The overlapped load gives
 the tensors of the plain load, bit for bit, at addresses fixed before any byte is read; the model
 keeps those tensors (it computes nothing from them); a modified file is still one error and
@@ -29,7 +29,7 @@ from mlac.runtime.worker import build as build_mod
 from mlac.runtime.worker import readpass
 from mlac.runtime.worker.build import RankJob, build_runner
 from mlac.runtime.worker.loader import load_artifact, start_load
-from mlac.runtime.worker.options import LOAD_OVERLAP_ENV, RuntimeOptions
+from mlac.runtime.worker.options import RuntimeOptions
 from tests._cli import invoke, one_line_error
 
 ROOT = Path(mlac.__file__).resolve().parent.parent
@@ -106,13 +106,11 @@ def test_the_model_keeps_the_pending_tensors_and_computes_nothing_from_them(arti
 
 
 @pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v3", True)])
-def test_overlapped_and_plain_starts_give_the_same_greedy_tokens(artifact, monkeypatch, preset, fp8):
+def test_overlapped_and_plain_starts_give_the_same_greedy_tokens(artifact, preset, fp8):
     path = artifact(preset, fp8=fp8)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    monkeypatch.setenv(LOAD_OVERLAP_ENV, "0")
-    plain = Engine.from_artifact(path, dtype=torch.float32)
+    plain = Engine.from_artifact(path, dtype=torch.float32, load_overlap=False)
     assert "load_graphs_s" not in plain.startup
-    monkeypatch.delenv(LOAD_OVERLAP_ENV)
     overlapped = Engine.from_artifact(path, dtype=torch.float32)
     assert {"load_s", "load_gb", "load_graphs_s"} <= overlapped.startup.keys()
     same_bits(dict(overlapped.runner.model.named_buffers()), dict(plain.runner.model.named_buffers()))
@@ -166,28 +164,20 @@ def test_a_failed_build_stops_the_readers(artifact, monkeypatch):
     assert len(reads) < len(list(path.rglob("*.*")))  # stopped before the end
 
 
-def test_the_switch_defaults_on_and_reads_the_environment(monkeypatch):
-    monkeypatch.delenv(LOAD_OVERLAP_ENV, raising=False)
+def test_the_overlap_is_the_default_and_a_field():
     assert RuntimeOptions().load_overlap
-    monkeypatch.setenv(LOAD_OVERLAP_ENV, "0")
-    assert not RuntimeOptions().load_overlap
-    assert RuntimeOptions(load_overlap=True).load_overlap
+    assert not RuntimeOptions.of(load_overlap=False).load_overlap
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,fp8", [("tiny-v2-lite", False), ("tiny-v3", True)])
-def test_cuda_graphs_captured_while_loading_give_the_tokens_of_a_plain_start(
-    artifact, monkeypatch, preset, fp8
-):
+def test_cuda_graphs_captured_while_loading_give_the_tokens_of_a_plain_start(artifact, preset, fp8):
     """The graphs captured while the weights stream in replay on the loaded weights: the same
     greedy tokens as graphs captured after a plain load (same buckets, same kernels)."""
     path = artifact(preset, fp8=fp8)
     kw = dict(device="cuda", dtype=torch.bfloat16, num_blocks=256, cuda_graph_max_bs=16,
               scheduler=SchedulerConfig(prefix_cache=False))  # fmt: skip
-    monkeypatch.setenv(LOAD_OVERLAP_ENV, "0")
-    plain = Engine.from_artifact(path, **kw)
-    monkeypatch.delenv(LOAD_OVERLAP_ENV)
+    plain = Engine.from_artifact(path, load_overlap=False, **kw)
     overlapped = Engine.from_artifact(path, **kw)
     assert "load_graphs_s" in overlapped.startup and overlapped.runner.graphs is not None
     pending = start_load(path, device="cuda", dtype=torch.bfloat16)

@@ -49,7 +49,7 @@ def test_server_load_warms_up_unless_told_not_to(artifact, monkeypatch):
 
 
 def test_warmup_meets_every_moe_tile_config(artifact, monkeypatch):
-    # issue 15: a cached burst ran steps of 257-1,365 tokens whose MoE tiles the warm-up (and so
+    # A cached burst ran steps of 257-1,365 tokens whose MoE tiles the warm-up (and so
     # `mlac prepare`) never compiled; tiny-v2-lite: 8 experts, top-2, so 385-511 tokens at chunk 512
     limits = SchedulerConfig(max_running_requests=8, chunked_prefill_size=512)
     engine = Engine.from_artifact(artifact("tiny-v2-lite"), dtype=torch.float32, scheduler=limits)

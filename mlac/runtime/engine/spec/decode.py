@@ -143,7 +143,11 @@ class SpecDecoder:
         check_spec(num_steps, len(model.mtp) > 0)
         if cache.extra_layers < 1:
             raise MlacError("speculative decoding needs a KV cache with the MTP layer's pool (extra_layers)")
-        self.exec, self.allocator, self.num_steps = runner.spec_executor(), runner.kv_pools[0].allocator, num_steps
+        self.exec, self.allocator, self.num_steps = (
+            runner.spec_executor(),
+            runner.kv_pools[0].allocator,
+            num_steps,
+        )
         # the one-replay greedy step's graphs (spec_chain.py), where the runner can have them
         self.exec.prepare(num_steps)
         self.drafts: dict[int, Draft] = {}  # by seq_id
@@ -155,8 +159,9 @@ class SpecDecoder:
     def num_drafts(self, seq, max_context: int) -> int:
         """Drafts to verify for decoding `seq`: K, fewer near its context or max_tokens end; none
         without a Draft (a preempted sequence whose recompute the prefix cache served whole), and
-        none for a request constrained by a grammar (`matcher`: its drafts would need its mask)."""
-        if seq.seq_id not in self.drafts or seq.matcher is not None:
+        none for a request constrained by a grammar (`matcher`: its drafts would need its mask) or
+        penalized (its drafts would need its penalties: penalties.py)."""
+        if seq.seq_id not in self.drafts or seq.matcher is not None or seq.penalties is not None:
             return 0
         left = seq.params.max_tokens - len(seq.output_ids) - 1
         return max(0, min(self.num_steps, max_context - seq.num_tokens, left))
@@ -185,8 +190,10 @@ class SpecDecoder:
 
     def _fast(self, plan: list) -> bool:
         """Whether `plan` runs as one device-side chain: every sequence decodes greedily, without a
-        grammar (a greedy Draft's d_0 is on the device)."""
-        return all(s.decoding and s.params.greedy and s.matcher is None for s, _ in plan)
+        grammar or penalties (a greedy Draft's d_0 is on the device)."""
+        return all(
+            s.decoding and s.params.greedy and s.matcher is None and s.penalties is None for s, _ in plan
+        )
 
     def _run_fast(self, sched, plan: list) -> list:
         """`run` of a greedy decode-only plan: drafts and verify in one executor op, one sync."""

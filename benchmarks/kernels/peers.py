@@ -1,0 +1,135 @@
+"""mlac's block-FP8 GEMM against cuBLAS, side by side on one GPU, at DeepSeek's linear shapes.
+
+    python benchmarks/kernels/peers.py --json kernels_peers_h200.json
+
+For each shape (V2-Lite's and V3's attention and dense-MLP projections, TP 1) and M in 1, 32, 256 rows:
+
+  mlac       fp8_linear: bf16 activations quantized per token per 128 channels, e4m3 weights with
+             128x128 float32 block scales (the artifact's format), bf16 out; at M <= 16 also the
+             skinny decode GEMM (skinny_linear), as the model dispatches
+  cuBLAS     torch._scaled_mm with the same block scaling where this torch and cuBLAS have it
+             (1x128 activation blocks, 128x128 weight blocks: the peer of mlac's exact format),
+             else rowwise scaling (one scale per row and per column: a coarser format, the only one
+             cuBLAS offers there; said in the record); the activations quantized beforehand (not timed)
+  bf16       torch.nn.functional.linear on bf16 weights: what FP8 halves the bytes of
+
+Times: the median of graph replays (timing.graph_us). Each row: microseconds, mlac over cuBLAS (the
+ratio: < 1 is faster), and the fraction of the ceiling: the bytes the call must read (weights, scales,
+activations) over the device-copy bandwidth measured in this run (decode, memory-bound), and the FLOPs
+over the fp8 rate (a large M). FlashInfer and DeepGEMM are not in the GPU image (no package index
+there; DeepGEMM needs CUTLASS sources): this compares with cuBLAS only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from timing import copy_gbps, graph_us  # noqa: E402
+
+from mlac.core.fp8 import BLOCK, FP8, quantize_blocks  # noqa: E402
+from mlac.kernels.gemm.fp8_gemm import fp8_linear, quantize_act_ref  # noqa: E402
+from mlac.kernels.gemm.gemv import skinny_linear  # noqa: E402
+
+DEV = "cuda"
+# (name, K, N): y [M, N] = x [M, K] @ W.T
+SHAPES = [
+    ("v2-lite q_proj", 2048, 3072),
+    ("v2-lite o_proj", 2048, 2048),
+    ("v2-lite dense w13", 2048, 2 * 10944),
+    ("v2-lite dense w2", 10944, 2048),
+    ("v3 qkv_a", 7168, 1536 + 576),
+    ("v3 q_b", 1536, 128 * 192),
+    ("v3 o_proj", 16384, 7168),
+    ("v3 dense w13", 7168, 2 * 18432),
+    ("v3 dense w2", 18432, 7168),
+]
+ROWS = (1, 32, 256)
+
+
+def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bf16 W [N, K], e4m3 W, its 128x128 float32 scales) from one random bf16 matrix."""
+    w = torch.randn(n, k, device=DEV) * k**-0.5
+    q, s = quantize_blocks(w)
+    return w.to(torch.bfloat16), q.contiguous(), s.float().contiguous()
+
+
+def cublas_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
+    """The cuBLAS call and the scaling it uses: block (1x128 / 128x128) where supported, else rowwise."""
+    xq, xs = quantize_act_ref(x)  # [M, K] e4m3, [M, K/128] float32
+    wt = q.t()  # [K, N], column-major as cuBLAS wants
+    ref = (
+        x.float()
+        @ (q.float().view(s.shape[0], BLOCK, s.shape[1], BLOCK) * s[:, None, :, None]).reshape(q.shape).t()
+    )
+    # cuBLAS's block scaling wants the scales outer-dim-major: try both layouts of each
+    for sa in (xs.contiguous(), xs.t().contiguous().t()):
+        for sb in (s.t().contiguous(), s.contiguous().t()):
+            try:
+                out = torch._scaled_mm(xq, wt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+                torch.cuda.synchronize()
+            except (RuntimeError, TypeError, ValueError):
+                continue
+            if (out.float() - ref).norm() / ref.norm() < 0.05:
+                return "block 1x128 / 128x128", partial(
+                    torch._scaled_mm, xq, wt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
+                )
+    rs_x = (x.float().abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)  # [M, 1]
+    xr = (x.float() / rs_x).to(FP8)
+    wf = q.float().view(s.shape[0], BLOCK, s.shape[1], BLOCK) * s[:, None, :, None]
+    wf = wf.reshape(q.shape)
+    rs_w = (wf.abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)  # [N, 1]
+    wr = (wf / rs_w).to(FP8).t()
+    return "rowwise", lambda: torch._scaled_mm(
+        xr, wr, scale_a=rs_x, scale_b=rs_w.t(), out_dtype=torch.bfloat16
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--fp8-tflops", type=float, default=1223.0, help="the fp8 ceiling (DESIGN's measured rate)"
+    )
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_gbps()
+    rows, scaling = [], None
+    for name, k, n in SHAPES:
+        wb, q, s = weight(n, k)
+        for m in ROWS:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            scaling, peer = cublas_call(x, q, s)
+            t_mlac = graph_us([partial(fp8_linear, x, q, s)])
+            t_skinny = graph_us([partial(skinny_linear, x, q, s)]) if m <= 16 else None
+            t_peer = graph_us([peer])
+            t_bf16 = graph_us([partial(torch.nn.functional.linear, x, wb)])
+            best = min(t for t in (t_mlac, t_skinny) if t is not None)
+            nbytes = n * k + s.numel() * 4 + m * k * 2 + m * n * 2
+            floor_us = max(nbytes / (bw * 1e3), 2 * m * n * k / (args.fp8_tflops * 1e6))
+            rows.append({"shape": name, "M": m, "N": n, "K": k, "mlac_us": round(best, 2),
+                         "mlac_fp8_gemm_us": round(t_mlac, 2), "mlac_skinny_us": t_skinny and round(t_skinny, 2),
+                         "cublas_us": round(t_peer, 2), "cublas_scaling": scaling, "bf16_us": round(t_bf16, 2),
+                         "ratio": round(best / t_peer, 3), "fraction_of_ceiling": round(floor_us / best, 3)})  # fmt: skip
+            r = rows[-1]
+            print(f"{name:18} M={m:4} mlac {r['mlac_us']:8.2f} us  cuBLAS({scaling}) {r['cublas_us']:8.2f} us  "
+                  f"ratio {r['ratio']:.2f}  bf16 {r['bf16_us']:8.2f} us  {100 * r['fraction_of_ceiling']:.0f}% of ceiling",
+                  flush=True)  # fmt: skip
+    record = {"benchmark": "block-FP8 GEMM: mlac vs cuBLAS", "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+              "copy_gb_per_s": round(bw, 1), "fp8_tflops_ceiling": args.fp8_tflops, "rows": rows,
+              "command": "python benchmarks/kernels/peers.py --json RECORD"}  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
