@@ -2,10 +2,11 @@
 
 Other threads never touch the scheduler: they put ("add", seq, sink), ("cancel", seq_id),
 ("fail", message), ("die", why) or ("stop",) into a queue.Queue, and the engine thread applies them
-between steps. A heartbeat thread (heartbeat.py) watches the ranks meanwhile. Each Delta (or an exception) goes to the request's sink through the loop's Outlet
-(outlet.py): the engine thread collects what one step produced and sends it at once. In the
-server's process (AsyncioOutlet) that is ONE `call_soon_threadsafe` per event loop per step; in
-the engine's own process (engine_child.PipeOutlet) one message to the server process per step.
+between steps; a heartbeat thread (heartbeat.py) watches the ranks meanwhile. Each Delta (or an
+exception) goes to the request's sink through the loop's Outlet (outlet.py): the engine thread
+collects what one step produced and sends it at once. In the server's process (AsyncioOutlet)
+that is ONE `call_soon_threadsafe` per event loop per step; in the engine's own process
+(engine_child.PipeOutlet) one message to the server process per step.
 The handlers' side of the bridge is submission.py.
 """
 
@@ -64,7 +65,7 @@ class EngineLoop:
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[], None] | None = None
         self.failure: EngineDead | None = None  # set when the engine died after it loaded
-        self.on_failure: Callable[[], None] | None = None  # called on the engine thread, after the ends
+        self.on_failure: Callable[[], None] | None = None  # on the engine thread, after the ends
         self.on_ready: Callable[[], None] | None = None
         self.trouble: str | None = None  # a rank exited or is stopped (set by the heartbeat)
         self.on_beat: Callable[[str | None], None] | None = None  # called on the heartbeat thread
