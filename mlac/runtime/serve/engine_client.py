@@ -244,7 +244,11 @@ class EngineClient:
             elif kind == "failed":
                 replay(self.metrics, message[4])
                 code = message[3]  # the exit code of an MlacError, None for any other exception
-                error = RemoteError(message[1], message[2]) if code is None else decode_error(f"error{code}", message[1])
+                error = (
+                    RemoteError(message[1], message[2])
+                    if code is None
+                    else decode_error(f"error{code}", message[1])
+                )
                 self._failed(error, logged=True)  # the engine's process logged it
             elif kind == "dead":  # the engine's process logged it; it exits once told to stop
                 self._die(EngineDead(message[1]))
