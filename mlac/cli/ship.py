@@ -92,7 +92,7 @@ def push(path, reference, plain_http, as_json):
     if not path.is_dir():
         raise MlacError(f"{path}: not a folder (an artifact or a kernel-cache unit)")
     with progress(push_size(path), "pushing") as bar:
-        done = run_push(path, ref, plain_http=plain_http, progress=bar.update, log=log)
+        done = run_push(path, ref, plain_http=plain_http, progress=bar.update)
     if as_json:
         print_json(vars(done))
         return
@@ -151,7 +151,7 @@ def pull(reference, path, ranks, node_rank, nnodes, target, device, force, plain
     chosen = node_ranks(remote.manifest.plan.world_size, node) if node else _ranks(ranks)
     with progress(pull_size(remote, chosen), "pulling") as bar:
         done = run_pull(ref, path, ranks=chosen, target=target, plain_http=plain_http, progress=bar.update,
-                        log=log, force=force, device=device, remote=remote)  # fmt: skip
+                        grow=bar.grow, log=log, force=force, device=device, remote=remote)  # fmt: skip
     if as_json:
         print_json(vars(done) | {"gb_per_s": round(done.gb_per_s, 3)})
         return

@@ -84,6 +84,11 @@ class Progress:
         with self._lock:
             self.done += int(n)
 
+    def grow(self, n: int) -> None:
+        """`n` more to do than the total given at the start (found once the work began)."""
+        with self._lock:
+            self.total += int(n)
+
     def line(self) -> str:
         elapsed = max(time.monotonic() - self._start, 1e-9)
         done, total = self.done, self.total

@@ -121,14 +121,17 @@ def pull(
     target: Target = "auto",
     plain_http: bool = False,
     progress: Progress | None = None,
+    grow: Progress | None = None,
     log: Log = lambda m: None,
     force: bool = False,
     blobs: Path | None = None,
     device: str = "cuda",
     remote: Remote | None = None,
 ) -> Pulled:
-    """Pull `ref` into `dest` (module docstring). MlacError for a `dest` that exists (without
-    `force`) or ranks out of range; RegistryError for the registry; IntegrityError for bytes."""
+    """Pull `ref` into `dest` (module docstring). `progress(n)`: n more bytes done; `grow(n)`: the
+    kernel-cache units' bytes, once found, beyond pull_size's files. MlacError for a `dest` that
+    exists (without `force`) or ranks out of range; RegistryError for the registry; IntegrityError
+    for bytes."""
     start, reg = time.perf_counter(), Registry(ref, plain_http)
     if dest.exists() and not force:
         raise MlacError(
@@ -146,8 +149,11 @@ def pull(
     own = tuple(m.rank_dir(r) + "/" for r in chosen)
     files = [oci.Blob(f.path, "sha256:" + f.sha256, f.size) for f in m.files
              if f.path.startswith(own) or not f.path.startswith("rank-")]  # fmt: skip
+    units = _units(reg, remote, target, device, log)
+    if grow is not None:
+        grow(sum(b.size for _, _, unit_blobs, _ in units for b in unit_blobs))
     _fetch(reg, stage, files, done, progress, blobs)
-    for unit, raw, folder_blobs, unit_digest in _units(reg, remote, target, device, log):
+    for unit, raw, folder_blobs, unit_digest in units:
         key, folder = unit.key, stage / "cache" / unit.key
         _fetch(reg, folder, folder_blobs, done, progress, blobs)
         _write(folder / UNIT_MANIFEST, raw)

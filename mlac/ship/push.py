@@ -30,7 +30,6 @@ from mlac.ship.registry import Registry, canonical
 
 THREADS = 4
 Progress = Callable[[int], None]
-Log = Callable[[str], None]
 
 
 @dataclass
@@ -62,7 +61,6 @@ def push(
     ref: Reference,
     plain_http: bool = False,
     progress: Progress | None = None,
-    log: Log = lambda m: None,
 ) -> Pushed:
     """Push the artifact or unit folder at `path` to `ref` (a tag); see the module docstring."""
     if ref.digest is not None:
@@ -72,12 +70,12 @@ def push(
     if (path / UNIT_MANIFEST).is_file() and not (path / MANIFEST).is_file():
         done = push_unit_folder(reg, path, progress)
     else:
-        done = push_artifact(reg, path, progress, log)
+        done = push_artifact(reg, path, progress)
     done.seconds = time.perf_counter() - start
     return done
 
 
-def push_artifact(reg: Registry, path: Path, progress: Progress | None, log: Log) -> Pushed:
+def push_artifact(reg: Registry, path: Path, progress: Progress | None) -> Pushed:
     checked = check_artifact(path, hashes=False)
     m = checked.manifest
     if not checked.whole:
@@ -90,9 +88,6 @@ def push_artifact(reg: Registry, path: Path, progress: Progress | None, log: Log
     body = oci.artifact_manifest(manifest_json, files, checked.identity)
     done.digest = reg.put_manifest(reg.ref.target, body)
     subject = oci.subject_of(done.digest, len(canonical(body)))
-    log(
-        f"pushed {reg.ref}: {len(files)} files, {done.bytes / 1e9:.3f} GB ({done.uploaded_blobs} blobs uploaded)"
-    )
     if (path / SIGNATURE).is_file():
         push_signature(reg, (path / SIGNATURE).read_bytes(), subject)
         done.signed = True

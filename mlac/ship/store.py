@@ -71,7 +71,7 @@ def local_artifact(
     progress = progress_factory(pull_size(remote, ranks)) if progress_factory else None
     with progress if progress is not None else _Null() as bar:
         done = pull(ref, dest, ranks=ranks, target=target, plain_http=plain_http, progress=getattr(bar, "update", None),
-                    log=log, blobs=store / "blobs", device=device, remote=remote)  # fmt: skip
+                    grow=getattr(bar, "grow", None), log=log, blobs=store / "blobs", device=device, remote=remote)  # fmt: skip
     log(f"pulled {done.downloaded_bytes / 1e9:.3f} GB in {done.seconds:.1f} s ({done.gb_per_s:.2f} GB/s)")
     _remember(store, ref, identity)
     return dest

@@ -3,6 +3,7 @@ for, every blob checked as it streams, resumed after a kill, atomic; units and s
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -21,12 +22,13 @@ import mlac.tools.prepare as prep
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions, Manifest, artifact_identity
 from mlac.core.errors import IntegrityError, MlacError, RegistryError
+from mlac.core.progress import Progress
 from mlac.core.signed import artifact_signed
 from mlac.core.signing import SIGNATURE
 from mlac.core.units import TargetSignature
 from mlac.core.validity import check_artifact
 from mlac.ship import oci
-from mlac.ship.pull import pull
+from mlac.ship.pull import pull, pull_size, resolve
 from mlac.ship.push import push
 from mlac.ship.reference import parse
 from mlac.ship.registry import Registry
@@ -152,8 +154,14 @@ def test_units_and_signatures_travel_with_the_artifact(art, registry, tmp_path, 
     assert pushed_unit.units == [unit.key]
     none = pull(ref, tmp_path / "none", target="none", plain_http=True)
     assert none.units == [] and none.signed and (tmp_path / "none" / SIGNATURE).is_file()
-    auto = pull(ref, tmp_path / "auto", target="auto", plain_http=True, device="cuda")  # "on" the H200 of SIG
+    remote = resolve(Registry(ref, plain_http=True))
+    with Progress(pull_size(remote, None), "pulling", stream=io.StringIO()) as bar:
+        auto = pull(ref, tmp_path / "auto", target="auto", plain_http=True, device="cuda",  # "on" the H200 of SIG
+                    progress=bar.update, grow=bar.grow, remote=remote)  # fmt: skip
     assert auto.units == [unit.key]
+    assert (
+        bar.done == bar.total == auto.bytes > pull_size(remote, None)
+    )  # the unit's bytes counted in the total
     checked = check_artifact(tmp_path / "auto", public_key=keys / "key.pub")
     assert checked.units[unit.key] == unit and checked.signed_by == keys / "key.pub"
     with pytest.raises(IntegrityError, match="does not verify"):
