@@ -93,7 +93,7 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.waiting: list[Sequence] = []  # by seq_id
         self.running: list[Sequence] = []  # by seq_id
-        self._aborts: set[int] = set()
+        self.pending_aborts: set[int] = set()  # seq ids to abort at the next step
         self.num_preemptions = 0
         self.pools = runner.kv_pools  # one per DP-attention rank (else one: this cache's)
         self.pool = self.pools[0]  # rank 0's blocks
@@ -117,13 +117,13 @@ class Scheduler:
 
     def abort(self, seq_id: int) -> None:
         """Finish a sequence with reason "abort" at the next step (its blocks are freed then)."""
-        self._aborts.add(seq_id)
+        self.pending_aborts.add(seq_id)
 
     def abort_all(self) -> list[Sequence]:
         """Abort every sequence now, freeing its blocks (shutdown, or after a failed step). Returns
         the aborted sequences, and those that the step in flight (overlap) finished first."""
         news = self._drain_quietly()
-        self._aborts.update(s.seq_id for s in self.waiting + self.running)
+        self.pending_aborts.update(s.seq_id for s in self.waiting + self.running)
         return unique(news + self._apply_aborts())
 
     def _drain_quietly(self) -> list[Sequence]:
@@ -145,6 +145,11 @@ class Scheduler:
     def _flier(self):
         """What launches steps ahead: overlap.py's Overlap, or speculation's own (spec_overlap.py)."""
         return self.spec.overlap if self.spec is not None else self.overlap
+
+    @property
+    def could_admit(self) -> bool:
+        """Whether a waiting sequence has room to join the running ones (max_running_requests)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_running_requests
 
     @property
     def has_unfinished(self) -> bool:
@@ -203,16 +208,16 @@ class Scheduler:
         return self._run(plan)
 
     def _apply_aborts(self) -> list[Sequence]:
-        if not self._aborts:
+        if not self.pending_aborts:
             return []
-        gone = [s for s in self.waiting + self.running if s.seq_id in self._aborts]
+        gone = [s for s in self.waiting + self.running if s.seq_id in self.pending_aborts]
         for s in gone:
             s.finish_reason = s.finish_reason or "abort"
-            self._release(s)
-        self._aborts.clear()
+            self.release(s)
+        self.pending_aborts.clear()
         return gone
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         """Give back `seq`'s blocks and take it out of the queues."""
         self._free_blocks(seq)
         for queue in (self.waiting, self.running):
@@ -230,7 +235,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it recomputes prompt + output when admitted again."""
-        self._release(seq)
+        self.release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -380,5 +385,5 @@ class Scheduler:
             sample_next(ready, logits[rows], self.eos_ids, self.max_context)
         for s in ready:
             if s.finished:
-                self._release(s)
+                self.release(s)
         return ready
