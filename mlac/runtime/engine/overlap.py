@@ -30,7 +30,7 @@ as a fed step (step_link.FedStep), whose token ids follow the message as a broad
 model's group on the device, in stream order after step N's sampling: every rank launches N + 1
 before rank 0's host reads N's ids, and only rank 0 samples. Off under DP attention (its steps
 are split by rank on the host, dp_attention.py) and under speculative decoding, which has its own
-device-side chain (spec_decode.py).
+device-side chain (spec/decode.py).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class SchedulerView(Protocol):
 def on_by_default(runner) -> bool:
     """Overlap where the config does not say: on CUDA, one rank or several. Multi-rank overlap
     (the fed steps' NCCL broadcast next to the collectives of the CUDA graphs) ran on 2xH200:
-    tests/runtime/dist/test_overlap_multirank_gpu.py, and tp2 batch 1 387 -> 416 tok/s
-    (benchmarks/results/decode_h200.md)."""
+    tests/runtime/dist/test_overlap_multirank_gpu.py, and tp2 batch 1 416 tok/s against tp1's 387
+    (benchmarks/results/bench_v2-lite_bf16_tp2_h200x2.json, ..._tp1_h200x2.json)."""
     return runner.device.type == "cuda"
 
 

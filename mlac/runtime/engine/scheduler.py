@@ -16,7 +16,7 @@ of its tokens are in the cache (`num_computed`). Each `Scheduler.step()`:
 4. runs one forward over every scheduled token (prefill chunks and decodes mixed), samples a
    token for each sequence whose tokens are now all cached, and decides which ones finish.
 
-With the prefix cache on (`SchedulerConfig.prefix_cache`, prefix_cache.py), an admitted sequence
+With the prefix cache on (`SchedulerConfig.prefix_cache`, kvcache/radix.py), an admitted sequence
 first takes the longest cached full-block prefix of its tokens (never all of them: the last one
 runs, for its logits): those blocks head its table and count as computed. A sequence gives its
 prompt's full blocks to the cache as soon as its prefill ends (it keeps using them), and the rest
@@ -33,7 +33,7 @@ prefix matches and preemption victims all come from that rank's pool.
 Overlap (`SchedulerConfig.overlap`, overlap.py): a pure decode step is launched and sampled on the
 device, and the next step launches its successor from the device-side ids before the host reads
 and appends its tokens: a step returns the news of the step before it. Under speculation, greedy
-one-replay chain steps do the same (spec_overlap.py).
+one-replay chain steps do the same (spec/overlap.py).
 
 The oldest sequence is never preempted by another, so it always progresses: no request is
 dropped, and every request finishes. The scheduler is single-threaded; callers on other threads
@@ -61,11 +61,11 @@ class SchedulerConfig:
 
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048  # most prompt tokens run in one step, over all sequences
-    prefix_cache: bool = True  # reuse cached prompt prefixes (radix cache, prefix_cache.py)
-    speculative_num_steps: int = 0  # MTP draft tokens verified per decode step (spec_decode.py); 0: off
+    prefix_cache: bool = True  # reuse cached prompt prefixes (radix cache, kvcache/radix.py)
+    speculative_num_steps: int = 0  # MTP draft tokens verified per decode step (spec/decode.py); 0: off
     # host work of decode step N while the device runs N + 1 (overlap.py). None: on CUDA; True: on
     # wherever the runner runs here (CPU too: tests); speculation's greedy chain steps have their
-    # own (spec_overlap.py, one rank)
+    # own (spec/overlap.py, one rank)
     overlap: bool | None = None
 
     def __post_init__(self) -> None:
@@ -143,7 +143,7 @@ class Scheduler:
 
     @property
     def _flier(self):
-        """What launches steps ahead: overlap.py's Overlap, or speculation's own (spec_overlap.py)."""
+        """What launches steps ahead: overlap.py's Overlap, or speculation's own (spec/overlap.py)."""
         return self.spec.overlap if self.spec is not None else self.overlap
 
     @property

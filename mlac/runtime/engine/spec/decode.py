@@ -11,7 +11,7 @@ sequences (decoding ones verify k <= K drafts; prefilling ones run their chunk a
    (g, d_{j-1}) -> g, d_j (its pool entries at n - 1.. are provisional: step 4 overwrites them);
 2. verify: ONE target forward, an extend of [t_{n-1}, d_0..d_{k-1}] (q_len k + 1) after n - 1
    cached tokens, mixed with the prefill chunks; logits of every verified position;
-3. accept (spec_sampling.py): the longest prefix of drafts equal to the target's argmax, then
+3. accept (spec/sampling.py): the longest prefix of drafts equal to the target's argmax, then
    the target's token after it (greedy); rejection sampling otherwise. The a + 1 emitted tokens
    are appended; the sequence's length now says which cache entries are valid, and blocks past
    it are freed (rolled back: nothing of a rejected token stays allocated);
@@ -156,7 +156,7 @@ class SpecDecoder:
         self.exec.prepare(num_steps)
         self.drafts: dict[int, Draft] = {}  # by seq_id
         self.stats = SpecStats()
-        # greedy chain steps launched one ahead (spec_overlap.py): one rank only
+        # greedy chain steps launched one ahead (spec/overlap.py): one rank only
         self.overlap = SpecOverlap(self) if overlap and self.exec.send is None else None
         self.ahead = 0  # tokens past each sequence's end that a step in flight writes (kept at roll-back)
 

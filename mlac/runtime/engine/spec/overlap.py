@@ -1,5 +1,5 @@
 """Overlap scheduling of greedy speculative steps: the host work of step N runs while the device
-runs step N + 1 (overlap.py does it for plain decoding; this is its speculative counterpart).
+runs step N + 1 (engine/overlap.py does it for plain decoding; this is its speculative counterpart).
 
 A one-replay chain step (spec_chain.py) leaves on the device all that the next step of the same
 sequences needs but their block tables: each sequence's last token t_{n+a} and cached length
@@ -16,9 +16,9 @@ n + a (`ChainGraphs.nxt`), its MTP state and d_0 (its rows). So, in the steady s
 It is exact where N + 1 runs what the scheduler would run, or more: every sequence greedy, drafting
 K at N and at N + 1 (the context far enough; a sequence that the scheduler would let draft fewer
 near its max_tokens drafts K: its tokens are still the target's argmax, and its appends stop at
-max_tokens, dropping the rest), no logprobs, no grammar, no abort pending, nothing waiting that could be admitted, the running sequences exactly
-the flight's, and the worst-case blocks free without a preemption. Anything else lands the flight
-first (`drain`) and schedules as before. A sequence that finishes at N (eos, a stop string) already
+max_tokens, dropping the rest), no logprobs, no grammar, no abort pending, nothing waiting that
+could be admitted, the running sequences exactly the flight's, and the worst-case blocks free
+without a preemption. Anything else lands the flight first (`drain`) and schedules as before. A sequence that finishes at N (eos, a stop string) already
 has rows in N + 1: it is released at N's landing and its N + 1 results are dropped. N + 1 wrote
 its KV and MTP entries only at positions >= its computed length, in blocks freed after N + 1 was
 launched (reused only by steps the device runs after it), never in a block the prefix cache keys.
