@@ -35,7 +35,7 @@ A step whose sequences all decode greedily (`_fast`) runs steps 1-2 as one execu
 sync brings back the drafts and the target's argmax of every verified row. A greedy Draft's d_0
 stays on the device (the executor's `tokens`), so the refresh needs no sync either: a greedy
 speculative step is K draft replays (K - 1 chained, one refresh), one verify replay and ONE host
-sync (was K + 1 syncs). With CUDA graphs, when every sequence drafts K and none asks for
+sync (the host-side flow: K + 1). With CUDA graphs, when every sequence drafts K and none asks for
 logprobs, the whole of it (drafts, verify, acceptance, refresh) is ONE graph replay
 (spec_chain.py): the host writes one buffer, replays, reads one back, and here only appends the
 tokens and keeps the books (`land_chain`; `_refresh` only when a sequence left). With overlap
