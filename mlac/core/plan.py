@@ -62,7 +62,7 @@ HIDDEN_COPIES = 4
 MAX_SPLITS = 64  # the most split-KV chunks mla_decode_plan.choose_num_splits picks
 MOE_BLOCK_M = 128  # the largest per-expert padding unit grouped.pick_moe_config picks
 # Mirrors of mlac.runtime.engine.scheduler.SchedulerConfig defaults (core does not import the runtime;
-# tests/test_buckets.py checks that they agree).
+# tests/core/test_plan.py checks that they agree).
 PREFILL_TOKENS = 2048  # chunked_prefill_size
 PREFILL_SEQUENCES = 64  # max_running_requests: logits rows of a prefill step
 BF16, F32, I32 = 2, 4, 4

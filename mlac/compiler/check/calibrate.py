@@ -8,7 +8,7 @@ position 0 (the first one starts with bos). After each window the cache pools ar
 layer, amax_l = max |value| over every entry [latent ‖ roped key] written so far (the pools start
 at zero, so unwritten slots never raise it). Then
 
-    scale_l = amax_l / finfo(fp8 dtype).max        (value = stored * scale, kv_cache.PagedKVCache)
+    scale_l = amax_l / finfo(fp8 dtype).max        (value = stored * scale, paged.PagedKVCache)
 
 so that the largest calibrated value maps to the format's largest finite value (448 for e4m3,
 57344 for e5m2). No margin: FP8 is floating point, so headroom buys no precision at the top and

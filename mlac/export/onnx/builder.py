@@ -2,7 +2,7 @@
 
 Names are unique and readable: the current scope (`with g.scope("layers.3.attn")`) plus the op and
 a counter. Constants are small initializers held in memory; the weights are added by
-onnx_weights.py as external-data initializers. Every op is from the default domain (no custom ops).
+weights.py as external-data initializers. Every op is from the default domain (no custom ops).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The MoE layer as standard ONNX ops: the router (kernels/moe_routing.route_ref's rule) and the experts.
+"""The MoE layer as standard ONNX ops: the router (kernels/moe/routing.route_ref's rule) and the experts.
 
 Routing: float32 logits [N, E] -> softmax or sigmoid scores -> (+ correction bias, noaux_tc) the
 choice values -> group selection (TopK over group scores, ScatterElements into a group mask,

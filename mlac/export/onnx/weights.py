@@ -1,7 +1,7 @@
 """The tensors of a one-rank artifact as ONNX initializers in external data.
 
 An initializer here holds no bytes in memory: it names its place (file, offset, length) in OUT_DIR,
-which the layout (onnx_data.py) gives: inside a hard link of the artifact's own file, or in the one
+which the layout (data.py) gives: inside a hard link of the artifact's own file, or in the one
 packed data file that the writer then fills. Memory holds no weights, whatever the model's size;
 every initializer is a stored tensor or a dim-0 slice of one (an expert), so no bytes are ever
 rewritten. Tensors keep their

@@ -1,10 +1,10 @@
 """`mlac export onnx ARTIFACT OUT_DIR`: check the artifact, build the graph, write OUT_DIR atomically.
 
     OUT_DIR/
-      model.onnx        the graph (onnx_graph.py); weights as external data, in one of two layouts:
+      model.onnx        the graph (graph.py); weights as external data, in one of two layouts:
       model.onnx.data   (packed, the default) the used tensors' bytes as stored, page-aligned
       weights/          (linked: link_weights) hard links to the artifact's safetensors files
-      mlac_onnx.json    how to feed the graph (onnx_graph.io_spec) and what it came from
+      mlac_onnx.json    how to feed the graph (graph.io_spec) and what it came from
       tokenizer/        the artifact's tokenizer files, copied
 
 As the compiler's writer does (compiler/writer.py, whose helpers this reuses), everything is written
@@ -115,7 +115,7 @@ def plan_export(
 ) -> OnnxExport:
     """Check the artifact (identity, one rank, sizes) and OUT_DIR, and build the graph over one
     packed data file, or with `link_weights` over the artifact's own files hard-linked into OUT_DIR
-    (onnx_data.py). Raises MlacError before anything is written."""
+    (data.py). Raises MlacError before anything is written."""
     root, out_path = Path(artifact), Path(out).absolute()
     manifest = Manifest.load(root)
     identity = check_identity(root, manifest, required=True)

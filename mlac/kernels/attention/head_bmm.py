@@ -11,7 +11,7 @@ The two uses, per layer (einsum subscripts of mlac.runtime.model.model.MLAAttent
     out   = head_bmm(o_lat, w_vc)     "bhc,hcv->bhv"   w_vc [H, kv_lora=512, v=128]
 
 One Triton kernel serves three weight/activation formats with the same tiling, so that they can be
-measured against each other (benchmarks/bench_head_bmm.py):
+measured against each other (benchmarks/kernels/head_bmm.py):
 
 - bf16: w in x's dtype, float32 accumulation.
 - W8A16 (`w_scale` given): e4m3 weight tiles widened to x's dtype in registers (exact: every e4m3

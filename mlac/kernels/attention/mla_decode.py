@@ -20,7 +20,7 @@ The tiles of both forms, the split count and the rule between the forms: mla_dec
 FP8 caches (e4m3 / e5m2) carry one float32 scale per tensor (value = stored * scale); their
 tiles are widened to fp16 and q is cast to fp16 for the dots (|q| must stay below 65504).
 `mla_decode` dispatches: Triton on CUDA, the reference on CPU. Measured on an H200:
-benchmarks/NOTES_attention.md.
+benchmarks/README.md ("Kernels, one H200"; benchmarks/kernels/attention.py).
 """
 
 from __future__ import annotations

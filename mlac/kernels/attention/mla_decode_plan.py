@@ -18,7 +18,7 @@ import torch
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-# Launch configurations (H200, Triton 3.6; see benchmarks/NOTES_attention.md). BLOCK_H >= 16
+# Launch configurations (H200, Triton 3.6; benchmarks/kernels/attention.py). BLOCK_H >= 16
 # (tl.dot). ctas_per_sm (from registers and shared memory) feeds the split heuristic.
 # Few heads: memory-bound; a 16-head tile on mma.sync, num_stages=5 so that the pipeliner keeps two
 # KV tiles in flight behind the block-table lookups (3 or 4 stages give one). Many heads: a 64-head
@@ -36,10 +36,11 @@ _CONFIGS = {  # the same for a bf16 and an FP8 cache
     "rows16_fp8": dict(BLOCK_H=16, ROWS=2, BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
     "rows32": dict(BLOCK_H=32, ROWS=2, BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1, tile_in_page=True, min_split_tiles=2),
 }  # fmt: skip
-# The grouped tiles (rows16*): the fastest of `bench_mla_rows.py --sweep` on an H200 (16 heads, graph-wide
-# tables of 163,840 tokens; benchmarks/results/mla_rows_h200.md): 64 rows after a 2,000-token prefix
-# 91.2 -> 50.1 us per layer (bf16 cache, 4 rows a program), 110.9 -> 79.1 (FP8, 2 rows a program: no
-# 4-row variant with 64-key tiles ran); 4 verify rows over 4,096 tokens 26.3 -> 21.8 (bf16). rows32 (17-32 heads) is not measured.
+# The grouped tiles (rows16*): the fastest of `benchmarks/kernels/mla_rows.py --sweep` on an H200 (16 heads,
+# graph-wide tables of 163,840 tokens; benchmarks/results/kernels_mla_rows_h200.json): 64 rows after a
+# 2,000-token prefix 91.2 -> 50.1 us per layer (bf16 cache, 4 rows a program), 110.9 -> 79.1 (FP8, 2 rows a
+# program: no 4-row variant with 64-key tiles ran); 4 verify rows over 4,096 tokens 26.3 -> 21.8 (bf16).
+# rows32 (17-32 heads) is not measured.
 GROUP_M = 64
 _CONFIG_INTERPRET = dict(
     BLOCK_H=16,

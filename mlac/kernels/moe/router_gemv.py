@@ -6,7 +6,7 @@ in one launch.
     logits  [T, E]  float32, float32 accumulation: F.linear(x.float(), gate) up to summation order
 
 What it replaces, per MoE layer: `x.float()` (a cast launch), cuBLAS's float32 GEMV (two launches)
-and `_route_kernel` (moe_routing.py). An earlier fused kernel ran one program per token and re-read
+and `_route_kernel` (routing.py). An earlier fused kernel ran one program per token and re-read
 the whole gate on one SM (48 us per layer at batch 1 on an H200). Here the programs split the
 EXPERTS: program p computes BLOCK_E experts for all T rows, streaming its [BLOCK_E, D] slice of the
 gate once (the whole gate is read once, spread over about one program per SM) and x's T rows (from
@@ -14,7 +14,7 @@ L2) in BLOCK_D steps, as a [BLOCK_T, BLOCK_E, BLOCK_D] broadcast product on CUDA
 
 Fused routing (`router_route_triton`, the kernel's ROUTE constexpr): each program stores its logits,
 then takes a ticket from an arrival counter; the program that arrives last reads the [T, E] logits
-back and routes the T tokens one after the other with moe_routing's `_route_tile` (route_ref's rule,
+back and routes the T tokens one after the other with routing.py's `_route_tile` (route_ref's rule,
 the same code as `_route_kernel`), then puts the counter back to 0, so every launch and every
 CUDA-graph replay starts from 0. The counter is this module's own (one int32 per device, made before
 capture). `router_logits_triton` is the logits alone (ROUTE off), up to MAX_ROWS rows.

@@ -16,7 +16,7 @@ reader's consumed seq equals the slot's seq (the slot's last message was read by
 slot is unused: 0 == 0), writes the bytes and the size, and publishes by storing the seq last.
 A reader waits for the seq it expects, copies the bytes out, then stores that seq as consumed.
 A message larger than a slot publishes size ELSEWHERE instead of bytes: the writer sends it by
-another path (dist.py: the gloo broadcast) and the reader returns None to say so. No limit.
+another path (step_link.py: the gloo broadcast) and the reader returns None to say so. No limit.
 
 Memory order (NOTE: correct on x86-64, not on ARM): there are no fences. x86's total store order
 makes each process's stores visible to others in program order, and loads are not reordered

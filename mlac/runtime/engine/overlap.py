@@ -30,13 +30,13 @@ as a fed step (step_link.FedStep), whose token ids follow the message as a broad
 model's group on the device, in stream order after step N's sampling: every rank launches N + 1
 before rank 0's host reads N's ids, and only rank 0 samples. Off under DP attention (its steps
 are split by rank on the host, dp_attention.py) and under speculative decoding, which has its own
-device-side chain (spec_decode.py).
+device-side chain (spec/decode.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,15 +45,35 @@ from mlac.runtime.engine.sampling import logprob_tensors, read_logprobs, sample_
 from mlac.runtime.step import Step
 
 if TYPE_CHECKING:
-    from mlac.runtime.engine.scheduler import Scheduler
     from mlac.runtime.engine.sequence import Sequence
+    from mlac.runtime.kvcache.pool import BlockPool
+
+
+class SchedulerView(Protocol):
+    """The scheduler (scheduler.py) as a step launched ahead sees it, here and in spec/overlap.py:
+    what it reads to tell the steady state, and `release` for a sequence that its landing finishes."""
+
+    running: list[Sequence]  # by seq_id
+    pending_aborts: set[int]  # seq ids to abort at the next step
+    pool: BlockPool  # rank 0's blocks (overlap runs without DP attention: the only pool)
+    eos_ids: frozenset[int]
+    max_context: int
+
+    @property
+    def could_admit(self) -> bool:
+        """Whether a waiting sequence has room to join the running ones."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """Give back `seq`'s blocks and take it out of the queues."""
+        ...
 
 
 def on_by_default(runner) -> bool:
     """Overlap where the config does not say: on CUDA, one rank or several. Multi-rank overlap
     (the fed steps' NCCL broadcast next to the collectives of the CUDA graphs) ran on 2xH200:
-    tests/runtime/dist/test_overlap_multirank_gpu.py, and tp2 batch 1 387 -> 416 tok/s
-    (benchmarks/results/decode_h200.md)."""
+    tests/runtime/dist/test_overlap_multirank_gpu.py, and tp2 batch 1 416 tok/s against tp1's 387
+    (benchmarks/results/bench_v2-lite_bf16_tp2_h200x2.json, ..._tp1_h200x2.json)."""
     return runner.device.type == "cuda"
 
 
@@ -103,7 +123,7 @@ class Overlap:
         step = Step.of(chunks, [s.num_computed for s in seqs], [s.block_table for s in seqs])
         self.flight = self._launch(seqs, step, None)
 
-    def advance(self, sched: Scheduler) -> list[Sequence] | None:
+    def advance(self, sched: SchedulerView) -> list[Sequence] | None:
         """The steady state: launch the next step from the flight's ids, then land the flight and
         return its news. None (nothing done) when the next plan is not that (the caller drains)."""
         flight = self.flight
@@ -119,17 +139,16 @@ class Overlap:
             self.flight = None  # its rows assumed tokens that were never appended: never land it
             raise
 
-    def drain(self, sched: Scheduler) -> list[Sequence]:
+    def drain(self, sched: SchedulerView) -> list[Sequence]:
         """Land the flight, if any; its news."""
         flight, self.flight = self.flight, None
         return [] if flight is None else self.land(sched, flight)
 
     @staticmethod
-    def _next_rows(sched: Scheduler, flight: Flight) -> list[int]:
+    def _next_rows(sched: SchedulerView, flight: Flight) -> list[int]:
         """Rows of the flight that run again in the next step; [] when it is not the steady state."""
         live = [s for s in flight.seqs if not s.finished]
-        waiting = sched.waiting and len(sched.running) < sched.config.max_running_requests
-        if sched._aborts or waiting or len(live) != len(sched.running):
+        if sched.pending_aborts or sched.could_admit or len(live) != len(sched.running):
             return []
         if any(a is not b for a, b in zip(live, sched.running, strict=True)):
             return []
@@ -138,7 +157,7 @@ class Overlap:
         ]
 
     @staticmethod
-    def _grow(sched: Scheduler, seqs: list[Sequence]) -> bool:
+    def _grow(sched: SchedulerView, seqs: list[Sequence]) -> bool:
         """Blocks for one more token of each of `seqs`, if free without preempting (else nothing)."""
         alloc = sched.pool.allocator
         need = sum(alloc.blocks_for(s.num_computed + 1) - len(s.block_table) for s in seqs)
@@ -165,7 +184,7 @@ class Overlap:
         return Flight(seqs, tokens, host, done, errors)
 
     @staticmethod
-    def land(sched: Scheduler, flight: Flight) -> list[Sequence]:
+    def land(sched: SchedulerView, flight: Flight) -> list[Sequence]:
         """Wait for the flight's tokens and append them (a sequence that finished meanwhile drops
         its row; one whose draw raised fails, as one that finishes here: its row in the step
         launched since is dropped); release the sequences that finish. Returns those with news."""
@@ -183,7 +202,7 @@ class Overlap:
             else:
                 s.append_token(t, lp, sched.eos_ids, sched.max_context)
             if s.finished:
-                sched._release(s)
+                sched.release(s)
             news.append(s)
         return news
 

@@ -16,7 +16,7 @@ of its tokens are in the cache (`num_computed`). Each `Scheduler.step()`:
 4. runs one forward over every scheduled token (prefill chunks and decodes mixed), samples a
    token for each sequence whose tokens are now all cached, and decides which ones finish.
 
-With the prefix cache on (`SchedulerConfig.prefix_cache`, prefix_cache.py), an admitted sequence
+With the prefix cache on (`SchedulerConfig.prefix_cache`, kvcache/radix.py), an admitted sequence
 first takes the longest cached full-block prefix of its tokens (never all of them: the last one
 runs, for its logits): those blocks head its table and count as computed. A sequence gives its
 prompt's full blocks to the cache as soon as its prefill ends (it keeps using them), and the rest
@@ -33,7 +33,7 @@ prefix matches and preemption victims all come from that rank's pool.
 Overlap (`SchedulerConfig.overlap`, overlap.py): a pure decode step is launched and sampled on the
 device, and the next step launches its successor from the device-side ids before the host reads
 and appends its tokens: a step returns the news of the step before it. Under speculation, greedy
-one-replay chain steps do the same (spec_overlap.py).
+one-replay chain steps do the same (spec/overlap.py).
 
 The oldest sequence is never preempted by another, so it always progresses: no request is
 dropped, and every request finishes. The scheduler is single-threaded; callers on other threads
@@ -61,11 +61,11 @@ class SchedulerConfig:
 
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048  # most prompt tokens run in one step, over all sequences
-    prefix_cache: bool = True  # reuse cached prompt prefixes (radix cache, prefix_cache.py)
-    speculative_num_steps: int = 0  # MTP draft tokens verified per decode step (spec_decode.py); 0: off
+    prefix_cache: bool = True  # reuse cached prompt prefixes (radix cache, kvcache/radix.py)
+    speculative_num_steps: int = 0  # MTP draft tokens verified per decode step (spec/decode.py); 0: off
     # host work of decode step N while the device runs N + 1 (overlap.py). None: on CUDA; True: on
     # wherever the runner runs here (CPU too: tests); speculation's greedy chain steps have their
-    # own (spec_overlap.py, one rank)
+    # own (spec/overlap.py, one rank)
     overlap: bool | None = None
 
     def __post_init__(self) -> None:
@@ -93,7 +93,7 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.waiting: list[Sequence] = []  # by seq_id
         self.running: list[Sequence] = []  # by seq_id
-        self._aborts: set[int] = set()
+        self.pending_aborts: set[int] = set()  # seq ids to abort at the next step
         self.num_preemptions = 0
         self.pools = runner.kv_pools  # one per DP-attention rank (else one: this cache's)
         self.pool = self.pools[0]  # rank 0's blocks
@@ -117,13 +117,13 @@ class Scheduler:
 
     def abort(self, seq_id: int) -> None:
         """Finish a sequence with reason "abort" at the next step (its blocks are freed then)."""
-        self._aborts.add(seq_id)
+        self.pending_aborts.add(seq_id)
 
     def abort_all(self) -> list[Sequence]:
         """Abort every sequence now, freeing its blocks (shutdown, or after a failed step). Returns
         the aborted sequences, and those that the step in flight (overlap) finished first."""
         news = self._drain_quietly()
-        self._aborts.update(s.seq_id for s in self.waiting + self.running)
+        self.pending_aborts.update(s.seq_id for s in self.waiting + self.running)
         return unique(news + self._apply_aborts())
 
     def _drain_quietly(self) -> list[Sequence]:
@@ -143,8 +143,13 @@ class Scheduler:
 
     @property
     def _flier(self):
-        """What launches steps ahead: overlap.py's Overlap, or speculation's own (spec_overlap.py)."""
+        """What launches steps ahead: overlap.py's Overlap, or speculation's own (spec/overlap.py)."""
         return self.spec.overlap if self.spec is not None else self.overlap
+
+    @property
+    def could_admit(self) -> bool:
+        """Whether a waiting sequence has room to join the running ones (max_running_requests)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_running_requests
 
     @property
     def has_unfinished(self) -> bool:
@@ -203,16 +208,16 @@ class Scheduler:
         return self._run(plan)
 
     def _apply_aborts(self) -> list[Sequence]:
-        if not self._aborts:
+        if not self.pending_aborts:
             return []
-        gone = [s for s in self.waiting + self.running if s.seq_id in self._aborts]
+        gone = [s for s in self.waiting + self.running if s.seq_id in self.pending_aborts]
         for s in gone:
             s.finish_reason = s.finish_reason or "abort"
-            self._release(s)
-        self._aborts.clear()
+            self.release(s)
+        self.pending_aborts.clear()
         return gone
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         """Give back `seq`'s blocks and take it out of the queues."""
         self._free_blocks(seq)
         for queue in (self.waiting, self.running):
@@ -230,7 +235,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it recomputes prompt + output when admitted again."""
-        self._release(seq)
+        self.release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -380,5 +385,5 @@ class Scheduler:
             sample_next(ready, logits[rows], self.eos_ids, self.max_context)
         for s in ready:
             if s.finished:
-                self._release(s)
+                self.release(s)
         return ready

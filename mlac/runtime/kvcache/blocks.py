@@ -15,7 +15,7 @@ from mlac.core.errors import MlacError
 class BlockAllocator:
     """Free list of block ids [0, num_blocks) of `block_size` tokens. Freed blocks are reused first.
 
-    With a prefix cache attached (`reclaimer`, see prefix_cache.py), blocks it holds that no
+    With a prefix cache attached (`reclaimer`, see radix.py), blocks it holds that no
     sequence uses count as free: `alloc` evicts them (least recently used first) when the free
     list runs short. `num_unused` is the free list alone.
     """

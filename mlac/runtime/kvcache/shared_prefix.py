@@ -9,7 +9,7 @@ With the shared prefix found (model/attention.extend_shared, "cascade" attention
 - they are decompressed once into the MHA form (192 / 128 dims per pair);
 - one attention launch takes each sharer over the prefix (unmasked: it precedes every new token)
   and then over its own rows (causal), each other sequence over its own rows only
-  (kernels/extend_attention.py, `shared`).
+  (kernels/attention/extend.py, `shared`).
 
 The prefix is whole blocks that every sharer has cached before this step (the radix cache shares
 blocks, and a sequence's new tokens may fill the rest of its last cached block). `find` takes the

@@ -57,7 +57,7 @@ FUSED_MERGE_MAX_SPLITS = 8
 # Largest kv-weighted mean of new tokens per sequence for which the absorbed form is chosen.
 # FLOP break-even: decompression 2·C·(nope + v) = 262144 per cached token per head against
 # 2·(C + R + C - nope - R - v) = 1536 extra per pair -> about 170 new tokens per sequence.
-# Measured on an H200 (benchmarks/bench_attention.py, "extend forms"; 16 and 128 heads, 8 sequences
+# Measured on an H200 (benchmarks/kernels/attention.py, "extend forms"; 16 and 128 heads, 8 sequences
 # on a 4096-token prefix): absorbed 0.45-0.48 ms vs MHA 0.67-0.68 ms up to 64 new tokens each, MHA
 # ahead from 128 (0.70 vs 0.92 ms). A lone 256-token prompt still favoured absorbed (0.14 vs
 # 0.18 ms), a 4096-token one MHA (0.38 vs 1.91 ms).

@@ -303,7 +303,7 @@ class DecoderLayer(nn.Module):
 
 
 class MTPLayer(nn.Module):
-    """MTP (NextN) layer k, the draft of speculative decoding (spec_decode.py). From the main
+    """MTP (NextN) layer k, the draft of speculative decoding (engine/spec/decode.py). From the main
     model's final-normed hidden state h_p at position p and the token t_{p+1}, it predicts t_{p+2}:
 
         x = eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)])   # [T, 2D] -> [T, D], embedding half first

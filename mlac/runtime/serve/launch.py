@@ -166,7 +166,7 @@ def serve(config: ServerConfig, log_level: str = "info", process: Any = None) ->
     # interval the engine thread, back from a GPU step, may wait that long for the loop to let go;
     # at 0.2 ms it launches the next step almost at once. Measured on one H200 (V2-Lite bf16, HTTP):
     # batch 256 decode 5,701 -> 7,190 tok/s, 1,024-request peak 4,487 -> 5,170 tok/s
-    # (benchmarks/results/serve_host_h200.md).
+    # (benchmarks/e2e/serve_http.py at either interval).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     server = make_server(config, log_level, process=process)
     # What is imported by now (torch, triton, FastAPI: 200k objects) never becomes garbage: out of

@@ -30,7 +30,7 @@ capture meets a Triton kernel variant that is not loaded yet (V2-Lite on an H200
 that fell back alone would run collectives that the others do not.
 
 Padding rows (T..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
-the cache's scratch block (kv_cache.py): they read and write nothing a real sequence owns.
+the cache's scratch block (kvcache/paged.py): they read and write nothing a real sequence owns.
 
 Every rank of a multi-rank artifact captures the same buckets in the same order, so the
 collectives inside the graphs line up; every rank then replays the same bucket for each step.
@@ -171,7 +171,7 @@ def grouped_buckets(buckets: list[int]) -> list[int]:
     """The buckets captured a second time in the grouped form: the powers of two from 8 on, and the
     largest bucket (none when that is 1: no step has two rows). Every grouped capture costs start-up
     time (all 19 multi-row buckets of the default ladder: /health 8.3 -> 10.0 s on an H200,
-    benchmarks/results/startup_h200.md), so a flattened step pads to the next of these few; its
+    benchmarks/e2e/serve_http.py's start-up), so a flattened step pads to the next of these few; its
     padding rows cost little next to the weights that a step of 8 or more tokens reads."""
     if buckets[-1] < 2:
         return []

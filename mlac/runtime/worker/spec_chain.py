@@ -121,7 +121,7 @@ def chain_batches(
 
 def accepted(drafts: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """drafts [K, B], the target's argmax top [K + 1, B] -> [B] int64: how many leading drafts
-    equal the target's argmax (spec_sampling.accept_greedy's a, on the device)."""
+    equal the target's argmax (spec/sampling.accept_greedy's a, on the device)."""
     match = (drafts == top[: drafts.shape[0]]).to(torch.int64)
     return match.cumprod(dim=0).sum(dim=0)
 

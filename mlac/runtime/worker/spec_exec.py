@@ -1,7 +1,7 @@
-"""The device side of speculative decoding: spec_decode.py's model calls as a few ops over device
-state that every rank of a multi-rank artifact holds alike.
+"""The device side of speculative decoding: engine/spec/decode.py's model calls as a few ops over
+device state that every rank of a multi-rank artifact holds alike.
 
-spec_decode.py decides on the host (rank 0) what runs; each decision is one op here:
+engine/spec/decode.py decides on the host (rank 0) what runs; each decision is one op here:
 
     target(step)                 hidden = the main model over a Step                [T, D]
     logits(src, rows)            the head over rows of `src` -> float32 [R, V]
@@ -69,7 +69,7 @@ def to_device(ints: list[int], device: torch.device) -> torch.Tensor:
 
 
 def rows_step(ctx_lens: list[int], ks: list[int], tables: list) -> Step:
-    """The decode-shaped step (spec_decode.verify_step) of sequence i's k_i + 1 rows after its
+    """The decode-shaped step (spec/decode.verify_step) of sequence i's k_i + 1 rows after its
     ctx_lens[i] cached tokens, with token ids 0 (the caller writes them on the device)."""
     rows = [(c + j, t) for c, k, t in zip(ctx_lens, ks, tables, strict=True) for j in range(k + 1)]
     return Step.of([[0]] * len(rows), [c for c, _ in rows], [t for _, t in rows])
@@ -337,7 +337,7 @@ class SpecExecutor:
         self, seq_ids: list[int], k: int, tables: list, first: tuple[list[int], list[int]] | None
     ) -> Launched | None:
         """`chain`'s one-replay step, launched and its results on their way to the host, not waited
-        for (overlap: spec_decode.SpecDecoder.advance). `first`: the sequences' (last tokens, cached
+        for (overlap: spec/overlap.SpecOverlap.advance). `first`: the sequences' (last tokens, cached
         lengths); None: they follow the last launch (the same sequences, in the same rows), which
         left theirs on the device. One rank only; None where `chain` would not run one replay."""
         graphs = self._chain_graphs(k, len(seq_ids)) if self.send is None else None

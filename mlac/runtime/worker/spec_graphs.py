@@ -1,7 +1,7 @@
 """CUDA graphs of speculative decoding's draft steps: the MTP layer and its head over a
 decode-shaped batch (one row per position), one graph per batch-size bucket.
 
-The verify step needs none of its own: spec_decode.verify_step makes it a decode step (one row
+The verify step needs none of its own: spec/decode.verify_step makes it a decode step (one row
 per verified token), which the main DecodeGraphs replay (with `keep_hidden`, for the MTP layer).
 The draft steps (the chain, and the refresh after a verify) are MTP forwards over rows that read
 a hidden state each: `DraftGraphs` captures them like DecodeGraphs captures the main model, with

@@ -1,4 +1,4 @@
-"""Continuous batching (scheduler.py) through the Engine, and the KV cache dtypes (kv_cache.py).
+"""Continuous batching (scheduler.py) through the Engine, and the KV cache dtypes (kvcache/paged.py).
 
 CPU, float32, the tiny-v3 artifact. Outputs are compared token by token: a request's greedy
 output must not depend on what else runs with it, on chunking, or on being preempted.

@@ -1,4 +1,4 @@
-"""Speculative decoding with the MTP layer (spec_decode.py) on CPU, float32, tiny-v3.
+"""Speculative decoding with the MTP layer (engine/spec/decode.py) on CPU, float32, tiny-v3.
 
 Random weights: the MTP layer's drafts are mostly rejected, yet greedy output must be
 token-identical to plain decoding at every K, batch and prompt mix. An oracle draft (the plain

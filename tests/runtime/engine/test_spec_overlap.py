@@ -1,4 +1,4 @@
-"""Overlap scheduling of greedy speculative steps (spec_overlap.py) on CPU, float32, tiny-v3.
+"""Overlap scheduling of greedy speculative steps (engine/spec/overlap.py) on CPU, float32, tiny-v3.
 
 The runner has the graphs' buffers (nothing captured: every replay runs its body eagerly), so the
 chain steps are ChainGraphs steps, and step N + 1 takes its last tokens and cached lengths from

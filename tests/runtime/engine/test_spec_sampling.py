@@ -1,4 +1,4 @@
-"""Speculative sampling keeps the target's distribution (spec_sampling.py): chi-square tests.
+"""Speculative sampling keeps the target's distribution (engine/spec/sampling.py): chi-square tests.
 
 Directly on synthetic distributions (a vocabulary of 8, many draws): every emitted token, at
 every position, follows the target's p, whatever the draft's q; accepting drafts without the

@@ -1,4 +1,4 @@
-"""The radix prefix cache (prefix_cache.py) alone and through the Scheduler.
+"""The radix prefix cache (kvcache/radix.py) alone and through the Scheduler.
 
 CPU, float32, the tiny-v3 artifact with 4-token blocks. A request's greedy output must be the same
 with the prefix cache on and off; after every step each KV block is accounted for exactly once

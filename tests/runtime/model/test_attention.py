@@ -1,4 +1,4 @@
-"""The two exact MLA prefill forms (runtime/attention_forms.py) agree, and the rule between them."""
+"""The two exact MLA prefill forms (runtime/model/attention.py) agree, and the rule between them."""
 
 from __future__ import annotations
 

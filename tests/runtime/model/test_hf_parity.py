@@ -91,7 +91,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("form", ["mha", "absorbed"])
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_logits_match_transformers(preset, form, artifact, hf_model, monkeypatch):
-    # Both exact prefill forms (runtime/attention_forms.py), forced one way or the other.
+    # Both exact prefill forms (runtime/model/attention.py), forced one way or the other.
     monkeypatch.setattr(attention_forms, "ABSORBED_MAX_Q_LEN", 0 if form == "mha" else 1 << 30)
     engine = Engine.from_artifact(artifact(preset), dtype=torch.float32)
     model = hf_model(preset)

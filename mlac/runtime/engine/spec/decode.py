@@ -11,7 +11,7 @@ sequences (decoding ones verify k <= K drafts; prefilling ones run their chunk a
    (g, d_{j-1}) -> g, d_j (its pool entries at n - 1.. are provisional: step 4 overwrites them);
 2. verify: ONE target forward, an extend of [t_{n-1}, d_0..d_{k-1}] (q_len k + 1) after n - 1
    cached tokens, mixed with the prefill chunks; logits of every verified position;
-3. accept (spec_sampling.py): the longest prefix of drafts equal to the target's argmax, then
+3. accept (spec/sampling.py): the longest prefix of drafts equal to the target's argmax, then
    the target's token after it (greedy); rejection sampling otherwise. The a + 1 emitted tokens
    are appended; the sequence's length now says which cache entries are valid, and blocks past
    it are freed (rolled back: nothing of a rejected token stays allocated);
@@ -35,11 +35,11 @@ A step whose sequences all decode greedily (`_fast`) runs steps 1-2 as one execu
 sync brings back the drafts and the target's argmax of every verified row. A greedy Draft's d_0
 stays on the device (the executor's `tokens`), so the refresh needs no sync either: a greedy
 speculative step is K draft replays (K - 1 chained, one refresh), one verify replay and ONE host
-sync (was K + 1 syncs). With CUDA graphs, when every sequence drafts K and none asks for
+sync (the host-side flow: K + 1). With CUDA graphs, when every sequence drafts K and none asks for
 logprobs, the whole of it (drafts, verify, acceptance, refresh) is ONE graph replay
 (spec_chain.py): the host writes one buffer, replays, reads one back, and here only appends the
-tokens and keeps the books (`_land_chain`; `_refresh` only when a sequence left). With overlap
-scheduling (spec_overlap.py, one rank) the next such step is launched from this one's results on
+tokens and keeps the books (`land_chain`; `_refresh` only when a sequence left). With overlap
+scheduling (spec/overlap.py, one rank) the next such step is launched from this one's results on
 the device before the host lands them. Sampled requests, grammars and steps with prefill chunks
 take the host-side flow above (a sync per draft step).
 """
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -58,6 +59,9 @@ from mlac.runtime.engine.spec.overlap import SpecOverlap
 from mlac.runtime.engine.spec.sampling import accept_greedy, accept_sampled, draw, filtered_probs
 from mlac.runtime.step import Step
 from mlac.runtime.worker.spec_exec import to_host
+
+if TYPE_CHECKING:
+    from mlac.runtime.engine.overlap import SchedulerView
 
 ALGORITHMS = ("nextn", "mtp")  # SGLang's name, and its alias
 DEFAULT_STEPS = 3  # --speculative-algorithm without --speculative-num-steps (SGLang's DeepSeek setting)
@@ -128,7 +132,7 @@ def verify_step(chunks: list[list[int]], ctx_lens: list[int], tables: list, deco
     return Step.of([[t] for t, _, _ in rows], [c for _, c, _ in rows], [table for *_, table in rows])
 
 
-def sample_one(sched, seq, logits: torch.Tensor) -> None:
+def sample_one(sched: SchedulerView, seq, logits: torch.Tensor) -> None:
     """Sample and append seq's next token from logits [1, V], as Scheduler._run does."""
     sample_next([seq], logits, sched.eos_ids, sched.max_context)
 
@@ -152,7 +156,7 @@ class SpecDecoder:
         self.exec.prepare(num_steps)
         self.drafts: dict[int, Draft] = {}  # by seq_id
         self.stats = SpecStats()
-        # greedy chain steps launched one ahead (spec_overlap.py): one rank only
+        # greedy chain steps launched one ahead (spec/overlap.py): one rank only
         self.overlap = SpecOverlap(self) if overlap and self.exec.send is None else None
         self.ahead = 0  # tokens past each sequence's end that a step in flight writes (kept at roll-back)
 
@@ -168,7 +172,7 @@ class SpecDecoder:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def run(self, sched, plan: list) -> list:
+    def run(self, sched: SchedulerView, plan: list) -> list:
         """Run `plan` [(sequence, new tokens)] (a decoding sequence: 1 + its drafts) as one verify
         step; returns the sequences with news, as Scheduler._run."""
         if self._fast(plan):
@@ -195,7 +199,7 @@ class SpecDecoder:
             s.decoding and s.params.greedy and s.matcher is None and s.penalties is None for s, _ in plan
         )
 
-    def _run_fast(self, sched, plan: list) -> list:
+    def _run_fast(self, sched: SchedulerView, plan: list) -> list:
         """`run` of a greedy decode-only plan: drafts and verify in one executor op, one sync."""
         ks = [n - 1 for _, n in plan]
         base = Step.of([[s.output_ids[-1]] for s, _ in plan], [s.num_computed for s, _ in plan],
@@ -207,13 +211,13 @@ class SpecDecoder:
         found, top, logits, refreshed = self.exec.chain([s.seq_id for s, _ in plan], ks, base, self.num_steps,
                                                         want_logits)  # fmt: skip
         if refreshed:
-            return self._land_chain(sched, [s for s, _ in plan], found, top)
+            return self.land_chain(sched, [s for s, _ in plan], found, top)
         drafts = {s.seq_id: (d, [None] * len(d)) for (s, _), d in zip(plan, found, strict=True)}
         starts = [0, *itertools.accumulate(k + 1 for k in ks)]
         where = list(itertools.pairwise(starts))
         return self._finish(sched, plan, drafts, starts, where, logits, top, True, refreshed)
 
-    def _land_chain(self, sched, seqs: list, found: list[list[int]], top: list[int]) -> list:
+    def land_chain(self, sched: SchedulerView, seqs: list, found: list[list[int]], top: list[int]) -> list:
         """`_finish` of a one-replay chain step of `seqs` (every one greedy, K drafts, refreshed on
         the device): per sequence its acceptance, appends and roll-back; the books only when a
         sequence left (in the steady state every Draft stays as it is, on the device). A sequence
@@ -225,14 +229,14 @@ class SpecDecoder:
                 news.append(s)
         gone = [s for s in news if s.finished]
         for s in gone:
-            sched._release(s)
+            sched.release(s)
         if gone or len(self.drafts) != len(news):  # else: the same sequences keep the same Drafts
             self._refresh([(s, 0, 0, 1) for s in news if not s.finished], sched, True, True)
         return news
 
     def _finish(
         self,
-        sched,
+        sched: SchedulerView,
         plan: list,
         drafts: dict,
         starts: list[int],
@@ -264,7 +268,7 @@ class SpecDecoder:
             if emitted or s.error is not None:
                 news.append(s)
             if s.finished:
-                sched._release(s)
+                sched.release(s)
             else:
                 kept.append((s, start, starts[j], s.num_computed - start))
         self._refresh(kept, sched, decode_only, refreshed)
@@ -333,7 +337,7 @@ class SpecDecoder:
         return out
 
     def _verify(
-        self, sched, seq, logits: torch.Tensor, top: list[int], drafts: list[int], probs: list
+        self, sched: SchedulerView, seq, logits: torch.Tensor, top: list[int], drafts: list[int], probs: list
     ) -> int:
         """Accept drafts against the target's logits [k + 1, V] (argmax `top`); append the emitted
         tokens, advance num_computed over the kept ones, free the blocks past the sequence.
@@ -381,7 +385,7 @@ class SpecDecoder:
             self.allocator.free(seq.block_table[keep:])
             del seq.block_table[keep:]
 
-    def _refresh(self, kept: list, sched, decode_only: bool, refreshed: bool = False) -> None:
+    def _refresh(self, kept: list, sched: SchedulerView, decode_only: bool, refreshed: bool = False) -> None:
         """The MTP layer over the target's kept positions [(seq, first position, first hidden
         row, count)]; a sequence now decoding gets its next Draft from its last row. Drafts of
         sequences that left or no longer decode are dropped. `refreshed` (every kept sequence is
