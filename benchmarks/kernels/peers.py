@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from timing import copy_gbps, graph_us  # noqa: E402
 
-from mlac.core.fp8 import BLOCK, FP8, quantize_blocks  # noqa: E402
+from mlac.core.fp8 import FP8, dequantize_blocks, quantize_blocks  # noqa: E402
 from mlac.kernels.gemm.fp8_gemm import fp8_linear, quantize_act_ref  # noqa: E402
 from mlac.kernels.gemm.gemv import skinny_linear  # noqa: E402
 
@@ -58,18 +58,16 @@ ROWS = (1, 32, 256)
 def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(bf16 W [N, K], e4m3 W, its 128x128 float32 scales) from one random bf16 matrix."""
     w = torch.randn(n, k, device=DEV) * k**-0.5
-    q, s = quantize_blocks(w)
-    return w.to(torch.bfloat16), q.contiguous(), s.float().contiguous()
+    q, s = quantize_blocks(w)  # made on the host, as the compiler makes them
+    return w.to(torch.bfloat16), q.to(DEV).contiguous(), s.float().to(DEV).contiguous()
 
 
 def cublas_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
     """The cuBLAS call and the scaling it uses: block (1x128 / 128x128) where supported, else rowwise."""
     xq, xs = quantize_act_ref(x)  # [M, K] e4m3, [M, K/128] float32
     wt = q.t()  # [K, N], column-major as cuBLAS wants
-    ref = (
-        x.float()
-        @ (q.float().view(s.shape[0], BLOCK, s.shape[1], BLOCK) * s[:, None, :, None]).reshape(q.shape).t()
-    )
+    wf = dequantize_blocks(q, s)  # [N, K] float32 (K need not be a multiple of 128)
+    ref = x.float() @ wf.t()
     # cuBLAS's block scaling wants the scales outer-dim-major: try both layouts of each
     for sa in (xs.contiguous(), xs.t().contiguous().t()):
         for sb in (s.t().contiguous(), s.contiguous().t()):
@@ -84,8 +82,6 @@ def cublas_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
                 )
     rs_x = (x.float().abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)  # [M, 1]
     xr = (x.float() / rs_x).to(FP8)
-    wf = q.float().view(s.shape[0], BLOCK, s.shape[1], BLOCK) * s[:, None, :, None]
-    wf = wf.reshape(q.shape)
     rs_w = (wf.abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)  # [N, 1]
     wr = (wf / rs_w).to(FP8).t()
     return "rowwise", lambda: torch._scaled_mm(
