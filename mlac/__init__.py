@@ -1,6 +1,8 @@
 """mlac: compile Hugging Face DeepSeek checkpoints into verified artifacts and serve them."""
 
-__version__ = "0.1.0"
+from mlac.core.version import __version__
+
+__all__ = ["__version__", "Engine", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-import mlac
 from mlac.compiler.check import accuracy, calibrate
 from mlac.compiler.mtp import compiled_layers, mtp_group, mtp_info
 from mlac.compiler.provenance import SourceHashes, check_origin, provenance
@@ -37,6 +36,7 @@ from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.core.fp8 import BLOCK
 from mlac.core.lazy import LazyTensor
+from mlac.core.version import __version__
 from mlac.passes import PassContext, absorb, buckets, fp8, fuse, rope, shard
 
 LAYER_PASSES = (rope, fuse, absorb)  # then shard (one layer -> one dict per rank), then fp8 per rank
@@ -263,7 +263,7 @@ def _manifest(ckpt: Checkpoint, options: CompileOptions, w: ArtifactWriter) -> M
         bytes=ckpt.total_bytes, dtypes=ckpt.source_dtypes(), mtp_layers=ckpt.mtp_layers, mtp_tensors=ckpt.mtp_tensors,
     )  # fmt: skip
     return Manifest(
-        mlac_version=mlac.__version__,
+        mlac_version=__version__,
         torch_version=torch.__version__.split("+")[0],
         triton_version=triton_version,
         source=source,

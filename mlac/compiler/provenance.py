@@ -18,9 +18,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import mlac
 from mlac.core.artifact import Provenance, SourceFile
 from mlac.core.errors import MlacError
+from mlac.core.version import __version__
 
 HASH_THREADS = 2  # sha256 runs at ~1 GB/s per core; the compile itself needs the other cores
 CHUNK = 1 << 24
@@ -56,7 +56,7 @@ def tool_versions() -> dict[str, str | None]:
     except ImportError:
         triton_version = None
     return {
-        "mlac": mlac.__version__,
+        "mlac": __version__,
         "torch": torch.__version__.split("+")[0],
         "triton": triton_version,
         "safetensors": safetensors.__version__,

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-import mlac
 from mlac.core.atomic import remove_stale_tmp, tmp_dir
 from mlac.core.errors import MlacError
 from mlac.core.files import FileEntry, sha256_file
@@ -44,6 +43,7 @@ from mlac.core.units import (
     unit_identity_record,
 )
 from mlac.core.validity import check_artifact
+from mlac.core.version import __version__
 from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.worker.kernel_cache import is_group, portable_group, triton_cache_dir
 from mlac.runtime.worker.target import current_target
@@ -110,7 +110,7 @@ def prepare(
             with Watch("compiling kernels", lambda: _compiled(Path(compiled)), stream=progress_stream):
                 (warm or warm_kernels)(root, Path(compiled), options)
             files = store_cache(Path(compiled), tmp / TRITON_DIR, TRITON_DIR)
-        unit = UnitManifest(base_identity=identity, key=key, signature=target, mlac_version=mlac.__version__,
+        unit = UnitManifest(base_identity=identity, key=key, signature=target, mlac_version=__version__,
                             files=files)  # fmt: skip
         _write_synced(tmp / UNIT_MANIFEST, unit.to_json().encode())
         _write_synced(tmp / UNIT_IDENTITY, unit_identity_record(unit_identity(tmp)).encode())

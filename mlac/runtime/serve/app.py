@@ -20,8 +20,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlac import __version__
 from mlac.core.errors import MlacError
+from mlac.core.version import __version__
 from mlac.runtime.engine.constrain import GrammarSpec
 from mlac.runtime.engine.generation_config import sampling_defaults
 from mlac.runtime.engine.sequence import Sequence
