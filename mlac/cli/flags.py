@@ -110,7 +110,7 @@ CUDA_GRAPH = Flag("--cuda-graph/--no-cuda-graph", " /--enforce-eager", "cuda_gra
                   show_default=True, help="Run decode steps as CUDA graphs (CUDA, bfloat16).")  # fmt: skip
 CUDA_GRAPH_MAX_BS = Flag("--cuda-graph-max-bs", field="cuda_graph_max_bs", type=click.IntRange(1, 4096),
                          default=256, show_default=True,
-                         help="Largest decode batch captured as a CUDA graph (larger batches run eagerly).")  # fmt: skip
+                         help="Largest decode batch captured as a CUDA graph (larger batches replay it in pieces).")  # fmt: skip
 DP_ATTENTION = Flag("--dp-attention/--no-dp-attention", field="dp_attention", default=None,
                     help="Refuse an artifact whose plan says otherwise (default: run as it was compiled).")  # fmt: skip
 GPU_MEMORY_UTILIZATION = Flag(

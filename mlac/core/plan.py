@@ -4,9 +4,11 @@
     plan_buckets(config, options, tensors)   # -> BucketPlan, stored as manifest.buckets
 
 The runtime captures one graph per bucket (largest first, one shared pool), pads a decode batch
-to the next bucket, and gives its KV cache what is left of the GPU after the weights, the graph
-pool and the prefill activations (mlac/runtime/worker/memory_plan.py). The buckets pass (mlac/passes/buckets.py) records the plan in
-the manifest; the runtime recomputes it for an artifact that predates it.
+to the next bucket (a batch above the largest replays it in pieces, runtime/worker/graphs.py: so
+--max-running-requests needs no bucket of its own, and a larger batch no more activations), and
+gives its KV cache what is left of the GPU after the weights, the graph pool and the prefill
+activations (mlac/runtime/worker/memory_plan.py). The buckets pass (mlac/passes/buckets.py)
+records the plan in the manifest; the runtime recomputes it for an artifact that predates it.
 
 Weight bytes are exact. Activation bytes are an ESTIMATE: the largest intermediates of one step
 on one rank, summed as if they were live at once, times SAFETY_FACTOR (2) for what the sum leaves

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,12 +67,22 @@ class Step:
     def part(self, rank: int) -> Step | None:
         """The sequences of `rank` (in step order) as a Step of their own; None when it has none."""
         mine = [i for i in range(self.num_seqs) if self.rank_of(i) == rank]
-        if not mine:
-            return None
+        return replace(self.select(mine), ranks=()) if mine else None
+
+    def select(self, rows: Sequence[int]) -> Step:
+        """The sequences `rows` (step indices, non-empty, in the order given) as a Step of their own,
+        with their ranks."""
+        if not rows:
+            raise MlacError("Step.select: no sequence selected")
         starts = list(itertools.accumulate(self.q_lens, initial=0))
-        chunks = [self.token_ids[starts[i] : starts[i] + self.q_lens[i]] for i in mine]
-        pick = lambda xs: [xs[i] for i in mine]  # noqa: E731
-        return Step.of(chunks, pick(self.ctx_lens), pick(self.block_tables), self.every_token)
+        return Step(
+            token_ids=tuple(t for i in rows for t in self.token_ids[starts[i] : starts[i + 1]]),
+            ctx_lens=tuple(self.ctx_lens[i] for i in rows),
+            q_lens=tuple(self.q_lens[i] for i in rows),
+            block_tables=tuple(self.block_tables[i] for i in rows),
+            every_token=self.every_token,
+            ranks=tuple(self.ranks[i] for i in rows) if self.ranks else (),
+        )
 
     def rank_tokens(self, world: int) -> tuple[int, ...]:
         """[world] new tokens of each rank's sequences."""

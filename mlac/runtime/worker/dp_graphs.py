@@ -16,12 +16,17 @@ Inside the graph, with `bs` rows per rank and `N` ranks:
     logits [N·bs, V]    every rank's rows gathered, then the vocab-parallel head
 
 After the replay each sequence's logits are picked by (its rank, its last row).
+
+A decode step with more than max_bs rows on some rank replays in pieces (graphs.py's module
+docstring), each at most max_bs rows on every rank (`pieces`): every rank computes the same pieces
+and buckets from the whole Step, so their collectives stay lined up.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mlac.core.errors import MlacError
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.model.dp_attention import DPRank, TokenExchange
 from mlac.runtime.model.model import DeepseekModel
@@ -52,14 +57,28 @@ class DPDecodeGraphs(DecodeGraphs):
         hidden = self.model(ids, batch, self.cache, exchange)  # [bs, D]: this rank's rows
         self.logits[: n * bs].copy_(self.model.logits(exchange.gather(hidden)))  # [N·bs, V]
 
-    def can_run(self, step: Step) -> bool:
+    def fits(self, step: Step) -> bool:
         """Logits of each sequence's last new token, at most max_bs rows on every rank."""
         return not step.every_token and max(step.rank_tokens(self.dp.size)) <= self.max_bs
 
-    @torch.inference_mode()
-    def run(self, step: Step) -> torch.Tensor:
+    def pieces(self, step: Step) -> list[list[int]]:
+        """A decode step above max_bs rows on some rank, in pieces of at most max_bs rows on every
+        rank: piece p holds the sequences that are their rank's p·max_bs-th to (p + 1)·max_bs - 1-th,
+        in step order. Every rank holds the whole Step: all take the same pieces and buckets."""
+        seen, out = [0] * self.dp.size, []
+        for i in range(step.num_seqs):
+            r = step.rank_of(i)
+            p, seen[r] = seen[r] // self.max_bs, seen[r] + 1
+            if p == len(out):  # the first rank to reach piece p opens it
+                out.append([])
+            out[p].append(i)
+        return out
+
+    def _replay(self, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] float32 of each sequence's last new token, in step order. A bucket that
         was not captured (on CPU, where nothing is) runs the same padded step eagerly."""
+        if ids is not None:
+            raise MlacError("DP attention takes its token ids from the Step (no overlap scheduling)")
         n = self.dp.size
         bs = pick_bucket(self.buckets, max(step.rank_tokens(n)))
         parts = [step.part(r) for r in range(n)]

@@ -29,6 +29,22 @@ capture meets a Triton kernel variant that is not loaded yet (V2-Lite on an H200
 26, the graphs phase 0.4-1.5 s shorter). Multi-rank captures run every bucket eagerly first: a rank
 that fell back alone would run collectives that the others do not.
 
+A decode step of more sequences than the largest bucket (max_running_requests above
+--cuda-graph-max-bs) replays in pieces (`pieces`): max_bs sequences at a time, the rest padded to
+its bucket (512 = 256 + 256; 300 = 256 + 44 in the bucket of 48), each piece's logits copied out
+of the static output into one [B, V] tensor before the next piece's inputs are written (stream
+order). Decode rows are independent: each attends over its own sequence's blocks, writes its own
+KV slot, and routes its own token through the MoE; sampling runs on the whole [B, V] afterwards.
+Each piece waits on the host for the previous piece's input copy (`DecodeInputs.fill`), not for
+its replay. NOTE: the [B, V] float32 output lives outside the graph pool and the memory plan
+(V2-Lite at B = 512: 210 MB); the eager step that such a batch ran before allocated it and all of
+its activations besides (on 2xH100, V2-Lite bf16, that eager step cut the HTTP peak from 10,309
+tok/s at --max-running-requests 256 to 4,037 at 512). Not in pieces, still eager:
+steps of more than max_bs tokens with a prefill chunk (the MHA prefill form suits a long chunk
+better than flattened rows, and its launches cost little next to its compute), scoring steps
+(`every_token`), and speculative decoding's target steps (spec_exec reads the hidden states of one
+replay: it asks `fits`, not `can_run`).
+
 Padding rows (T..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
 the cache's scratch block (kvcache/paged.py): they read and write nothing a real sequence owns.
 
@@ -324,16 +340,44 @@ class DecodeGraphs:
             return False
         return prefer_row_groups(step.q_lens, self.n_heads, self.model.device, self.kv_dtype)
 
-    def can_run(self, step: Step) -> bool:
-        """A step of at most max_bs new tokens whose logits are those of each sequence's last."""
+    def fits(self, step: Step) -> bool:
+        """One replay takes `step`: at most max_bs new tokens, logits of each sequence's last."""
         return not step.every_token and len(step.token_ids) <= self.max_bs
+
+    def can_run(self, step: Step) -> bool:
+        """`step` fits one replay, or is a decode step of more sequences: it replays in pieces."""
+        return self.fits(step) or step.is_decode
+
+    def pieces(self, step: Step) -> list[list[int]]:
+        """The sequences (step indices, ascending) of each replay of a decode step above max_bs:
+        max_bs at a time, the rest padded to its bucket (512 = 256 + 256; 300 = 256 + 44 in 48)."""
+        n, m = step.num_seqs, self.max_bs
+        return [list(range(s, min(s + m, n))) for s in range(0, n, m)]
 
     @torch.inference_mode()
     def run(self, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] float32 of the last new token of each of the step's B sequences (for a
-        decode step a view of the static output: valid until the next replay). A bucket that was
-        not captured (on CPU, where nothing is) runs the same padded step eagerly: the tests check
-        the padding and the flattened rows that way. `ids`: the token ids on the device (fill)."""
+        decode step that fits one replay a view of the static output: valid until the next
+        replay). A bucket that was not captured (on CPU, where nothing is) runs the same padded
+        step eagerly: the tests check the padding and the flattened rows that way. `ids`: the
+        token ids on the device (fill). A decode step above max_bs replays in `pieces`."""
+        return self._replay(step, ids) if self.fits(step) else self._run_pieces(step, ids)
+
+    def _run_pieces(self, step: Step, ids: torch.Tensor | None) -> torch.Tensor:
+        """A decode step too large for one replay, as one replay per piece (module docstring):
+        each piece's logits are copied out before the next piece's inputs overwrite the buffers
+        (stream order). Returns a fresh [B, V] float32 tensor (not a view of the static output)."""
+        out = self.logits.new_empty(step.num_seqs, self.logits.shape[1])  # [B, V] float32
+        for rows in self.pieces(step):
+            if rows[-1] - rows[0] + 1 == len(rows):  # contiguous (always, but under DP attention)
+                at = slice(rows[0], rows[-1] + 1)
+            else:
+                at = torch.tensor(rows, device=out.device)
+            out[at] = self._replay(step.select(rows), None if ids is None else ids[at])
+        return out
+
+    def _replay(self, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`run` of a step that fits one replay."""
         grouped = self.grouped(step)
         bs = pick_bucket(self.grouped_buckets if grouped else self.buckets, len(step.token_ids))
         self.inputs.fill(step, bs, ids)

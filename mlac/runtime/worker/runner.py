@@ -23,8 +23,9 @@ from mlac.runtime.worker.spec_graphs import DraftGraphs
 
 class ModelRunner:
     """Runs forward steps of one rank's model over its paged KV cache: decode steps through the
-    CUDA graphs when it has them and the batch fits a bucket, every other step eagerly. Under DP
-    attention (`dp`) it runs its own part of every Step (dp_attention.py)."""
+    CUDA graphs when it has them (a batch above the largest bucket as several replays, graphs.py),
+    short extends too when they fit a bucket, every other step eagerly. Under DP attention (`dp`)
+    it runs its own part of every Step (dp_attention.py)."""
 
     def __init__(
         self,

@@ -176,7 +176,7 @@ class SpecExecutor:
         """hidden (and the graphs' logits) of the main model over `step`; `ids` [T] on the device
         in place of step.token_ids."""
         graphs = self.runner.graphs
-        if graphs is not None and graphs.hidden is not None and graphs.can_run(step):
+        if graphs is not None and graphs.hidden is not None and graphs.fits(step):  # one replay's hidden
             # one row per new token, also for a short extend (flattened rows, graphs.py); the
             # graphs' logits are those of each sequence's last row: usable as they are only
             # when every sequence has one row

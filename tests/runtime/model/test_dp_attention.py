@@ -219,6 +219,16 @@ def graph_rank(rank: int, path: str, port: int, out) -> None:
             got = graphs.run(step).clone()
             want = runner.dp.run(runner.model, runner.cache, step)  # rewrites the same latents
             errors.append(rel(got, want))
+        # above the largest bucket (1 row per rank): rank 0's two rows in two pieces, rank 1 idle in
+        # the second; the first piece's rows are not contiguous in the step
+        small = DPDecodeGraphs(runner.model, runner.cache, [1], 512, runner.dp)
+        step = Step.of(
+            [[5], [7], [6]], [ctx[0], ctx[2], ctx[1]], [tables[0], tables[2], tables[1]], ranks=[0, 0, 1]
+        )
+        assert not small.fits(step) and small.can_run(step)
+        assert small.pieces(step) == [[0, 2], [1]]
+        got = small.run(step).clone()
+        errors.append(rel(got, runner.dp.run(runner.model, runner.cache, step)))
         out.put((rank, errors))
     finally:
         dist.destroy_process_group()
@@ -226,7 +236,8 @@ def graph_rank(rank: int, path: str, port: int, out) -> None:
 
 def test_decode_graphs_match_the_eager_dp_step(compiled):
     """The DP-attention graph step (rows per rank padded to one bucket, exchange inside) gives the
-    eager DP step's logits, with one rank idle, uneven rows, flattened extends."""
+    eager DP step's logits, with one rank idle, uneven rows, flattened extends, and a decode step
+    above the largest bucket in pieces (every rank the same pieces)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -244,7 +255,7 @@ def test_decode_graphs_match_the_eager_dp_step(compiled):
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
     results = dict(out.get(timeout=5) for _ in procs)
-    assert results[0] == results[1] and len(results[0]) == 4
+    assert results[0] == results[1] and len(results[0]) == 5
     assert max(results[0]) < 1e-5
 
 

@@ -133,6 +133,102 @@ def test_extends_through_the_static_step_give_the_eager_tokens(artifact):
     assert any(1 in s.q_lens and max(s.q_lens) > 1 for s in extends), "no mixed decode + prefill step"
 
 
+def test_a_decode_step_above_the_largest_bucket_splits_into_pieces(artifact):
+    """max_bs sequences at a time, in step order, the rest padded to its bucket; only decode steps."""
+    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, num_blocks=16)
+    graphs = DecodeGraphs(engine.runner.model, engine.cache, [1, 2, 4, 8], engine.max_context)
+    decode = lambda n: Step.of([[1]] * n, [0] * n, [[0]] * n)  # noqa: E731
+    assert graphs.pieces(decode(20)) == [list(range(0, 8)), list(range(8, 16)), [16, 17, 18, 19]]
+    assert graphs.pieces(decode(16)) == [list(range(0, 8)), list(range(8, 16))]
+    assert graphs.fits(decode(8)) and not graphs.fits(decode(9)) and graphs.can_run(decode(9))
+    extend = Step.of([[1, 2]] * 5, [0] * 5, [[0]] * 5)  # 10 tokens: flattened rows above max_bs
+    scoring = Step.of([[1]] * 9, [0] * 9, [[0]] * 9, every_token=True)
+    assert not graphs.can_run(extend) and not graphs.can_run(scoring)
+    assert graphs.can_run(Step.of([[1, 2]] * 4, [0] * 4, [[0]] * 4))  # 8 flattened rows: one replay
+    step = Step.of([[7], [8, 9], [6]], [3, 0, 5], [[0], [1], [2, 3]], ranks=[1, 0, 1])
+    part = step.select([2, 0])
+    assert part.token_ids == (6, 7) and part.ctx_lens == (5, 3) and part.q_lens == (1, 1)
+    assert part.block_tables == ((2, 3), (0,)) and part.ranks == (1, 1)
+    assert step.select([1]).token_ids == (8, 9)
+
+
+def count_replays(graphs: DecodeGraphs) -> list[int]:
+    """The sequences of every decode step that `graphs` replays from now on (0 for an extend)."""
+    seen, replay = [], graphs._replay
+
+    def counted(step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(step.num_seqs if step.is_decode else 0)
+        return replay(step, ids)
+
+    graphs._replay = counted
+    return seen
+
+
+def _mixed_params(n: int) -> list[SamplingParams]:
+    """Per-row sampling that differs row to row: greedy and seeded draws, penalties, a logit bias,
+    min_tokens, logprobs."""
+    return [
+        SamplingParams(
+            max_tokens=6,
+            ignore_eos=True,
+            temperature=0.8 * (i % 2),
+            seed=i,
+            logprobs=2,
+            repetition_penalty=1.3 if i % 3 == 0 else 1.0,
+            frequency_penalty=0.5 if i % 3 == 1 else 0.0,
+            logit_bias={(11 + i) % 200: 5.0} if i % 4 == 0 else {},
+            min_tokens=3 if i == 2 else 0,
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_decode_step_above_the_largest_bucket_runs_in_pieces_with_the_eager_tokens(artifact, overlap):
+    """Batches of 7 and 11 over buckets [1, 2, 4]: every decode step replays 4-sequence pieces (the
+    last padded), and every row's tokens and logprobs are those of the one eager step, with
+    per-row sampling, penalties and, under overlap scheduling, the token ids fed on the device."""
+    engine = Engine.from_artifact(
+        artifact("tiny-v3"), dtype=torch.float32, verify=False, num_blocks=96, overlap=overlap
+    )
+    prompts = [[5 + i, 9, 13 + 2 * i, 4, 7 + i][: 2 + i % 4] for i in range(11)]
+    for n in (7, 11):
+        engine.runner.graphs = None
+        eager = engine.generate(prompts[:n], _mixed_params(n))
+        graphs = DecodeGraphs(engine.runner.model, engine.cache, [1, 2, 4], engine.max_context)
+        engine.runner.graphs = graphs
+        replays = count_replays(graphs)
+        pieces = engine.generate(prompts[:n], _mixed_params(n))
+        assert [c.token_ids for c in pieces] == [c.token_ids for c in eager], f"batch {n}"
+        for a, b in zip(pieces, eager, strict=True):
+            for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        full, rest = divmod(n, 4)
+        assert replays.count(4) >= 5 * full and rest in replays, replays  # 5 decode steps in pieces
+        assert max(replays) == 4
+    assert engine.pool.allocator.num_free == engine.cache.num_blocks
+
+
+def test_pieces_give_the_logits_of_one_eager_step(artifact):
+    """ModelRunner.run of one decode step of 10 sequences over buckets [1, 2, 4] (pieces 4 + 4 + 2)
+    against the same step run eagerly: the same logits, row for row."""
+    engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, num_blocks=64)
+    runner, g = engine.runner, torch.Generator().manual_seed(1)
+    lens = [3 + 2 * i for i in range(10)]
+    tables = [[2 * i, 2 * i + 1] for i in range(10)]  # 2 blocks of 16 each
+    runner.graphs = None
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in lens]
+    runner.run(Step.of(prompts, [0] * 10, tables))  # the prompts' KV
+    step = Step.of([[5 + i] for i in range(10)], lens, tables)
+    want = runner.run(step).clone()
+    runner.graphs = DecodeGraphs(runner.model, engine.cache, [1, 2, 4], engine.max_context)
+    got = runner.run(step)  # rewrites the same latents
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_scratch_block_is_never_allocated(artifact):
     engine = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, num_blocks=4)
     alloc = engine.pool.allocator
@@ -162,7 +258,7 @@ def test_cuda_graphs_give_the_tokens_of_the_same_step_run_eagerly(artifact, pres
     unpadded = Engine.from_artifact(path, cuda_graph=False, **kw)
     assert unpadded.runner.graphs is None
     g = torch.Generator().manual_seed(3)
-    for n in (1, 3, 6, 13, 20):  # 20 > 16: runs eagerly
+    for n in (1, 3, 6, 13, 20):  # 20 > 16: two replays (16 + 4), tested on its own below
         prompts = [torch.randint(3, 200, (4 + 3 * i,), generator=g).tolist() for i in range(n)]
         params = SamplingParams(max_tokens=12, ignore_eos=True)
         replayed = [c.token_ids for c in engine.generate(prompts, params)]
@@ -178,6 +274,39 @@ def test_cuda_graphs_give_the_tokens_of_the_same_step_run_eagerly(artifact, pres
         for x, y in zip(a, b, strict=True):  # prefill: flattened rows (absorbed) against eager
             for i in (0, 1):
                 assert abs(x.logprobs[i].top[0][1] - y.logprobs[i].top[0][1]) < 0.3, f"batch {n}"  # bf16/FP8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_graph_pieces_give_the_tokens_of_the_same_pieces_run_eagerly(artifact, overlap):
+    """A decode batch of 40 over buckets up to 16 replays captured graphs in pieces (16 + 16 + 8)
+    and gives exactly the greedy tokens of the same pieces run eagerly; against one unpadded eager
+    step its first decode logprobs agree to bf16 rounding (other tiles for other batch sizes)."""
+    path = artifact("tiny-v2-lite")
+    kw = dict(device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=512, cuda_graph_max_bs=16,
+              scheduler=SchedulerConfig(prefix_cache=False, overlap=overlap, max_running_requests=64))  # fmt: skip
+    engine = Engine.from_artifact(path, **kw)
+    graphs = engine.runner.graphs
+    assert graphs is not None and max(graphs.graphs) == 16
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (4 + i % 9,), generator=g).tolist() for i in range(40)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    replays, eager_steps = count_replays(graphs), []
+    step = graphs._step
+    graphs._step = lambda bs, grouped=False: (eager_steps.append(bs), step(bs, grouped))[1]
+    replayed = [c.token_ids for c in engine.generate(prompts, params)]
+    assert replays.count(16) >= 2 * 9 and 8 in replays, replays  # 9 decode steps of 40 in pieces
+    assert not eager_steps, "a piece ran eagerly instead of replaying its graph"
+    captured, graphs.graphs = graphs.graphs, {}  # the same pieces, eagerly
+    try:
+        padded_eager = [c.token_ids for c in engine.generate(prompts, params)]
+    finally:
+        graphs.graphs = captured
+    assert replayed == padded_eager
+    unpadded = Engine.from_artifact(path, cuda_graph=False, **kw)
+    one_step = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=5)
+    for x, y in zip(engine.generate(prompts, one_step), unpadded.generate(prompts, one_step), strict=True):
+        assert abs(x.logprobs[1].top[0][1] - y.logprobs[1].top[0][1]) < 0.3  # the decode step, bf16
 
 
 if triton is not None:
