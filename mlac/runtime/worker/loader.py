@@ -63,7 +63,7 @@ class LoadStats:
 class LoadedRank:
     manifest: Manifest
     rank: int
-    tensors: dict[str, torch.Tensor]  # the tensors of one file share one allocation (views)
+    tensors: dict[str, torch.Tensor]  # views of one allocation per file; a derived tensor has its own
     stats: LoadStats
 
 
@@ -89,7 +89,8 @@ def load_artifact(
     dtype against the manifest, before any data is read. Then one pass reads each file once with
     `threads` threads (default: readpass.default_threads, this node's CPUs over its ranks) in reads of `chunk_bytes` (default 64 MiB), hashing
     what it copies to `device` (with `verify`); each file's tensors become views of one uint8
-    allocation per file (see readpass.py).
+    allocation per file (see readpass.py), but for the derived ones (cast to the compute dtype, or
+    at an unaligned offset), each a new allocation of its own (place_tensors).
     """
     start = time.perf_counter()
     plan = _plan_rank(path, rank, device, verify, threads)

@@ -10,8 +10,14 @@ On one rank, with util = --gpu-memory-utilization:
     transient = graph_pool_bytes + prefill_activation_bytes       with CUDA graphs (the pool is held)
               = max(prefill, largest decode bucket's activations)   without them (one step at a time)
     usable    = budget − weight_bytes[rank] − transient − RESERVE_BYTES
-    num_blocks  = usable // (kv_bytes_per_token · block_size)
+    num_blocks  = usable // (kv_bytes_per_token · block_size) − 1     (the pools' scratch block)
     max_context = min(max_model_len or max_position_embeddings, num_blocks · block_size)
+
+kv_bytes_per_token is what the runtime's pools take per token (start.plan_kv passes it: the
+storage itemsize of the compute dtype, every layer's pool, the MTP layers' included), not the
+artifact's plan.kv_bytes_per_token, which counts the main layers at the compiled kv_cache_dtype's
+itemsize with bf16 compute: a bf16 cache under float32 compute stores 4-byte elements, and
+speculative decoding adds a pool per MTP layer.
 
 RESERVE_BYTES (1 GiB) covers what no plan counts: the CUDA context and cuBLAS workspaces
 (about 0.5 GiB on an H100/H200), NCCL buffers, Triton's loaded kernels and fragmentation.
@@ -41,7 +47,7 @@ class KVPlan:
 
     num_blocks: int
     block_size: int
-    kv_bytes: int  # num_blocks · block_size · kv_bytes_per_token
+    kv_bytes: int  # (num_blocks + 1) · block_size · kv_bytes_per_token: the pools, scratch block included
     max_context: int
     graph_buckets: int  # 0 without CUDA graphs
     warnings: tuple[str, ...]  # one line each, for the start-up log
@@ -69,9 +75,11 @@ def plan_kv_cache(
     max_model_len: int | None = None,
     free_bytes: int | None = None,
     cuda_graphs: bool = True,
+    kv_bytes_per_token: int | None = None,
 ) -> KVPlan:
     """Size rank `rank`'s KV cache (module docstring); raise MlacError when nothing fits.
-    `free_bytes` is the device's free memory measured before anything is loaded."""
+    `free_bytes` is the device's free memory measured before anything is loaded;
+    `kv_bytes_per_token` the bytes the pools take per token (None: the plan's)."""
     context = _check(plan, rank, max_position_embeddings, block_size, gpu_memory_utilization, max_model_len)
     warnings: list[str] = []
     budget = int(total_bytes * gpu_memory_utilization)
@@ -82,8 +90,8 @@ def plan_kv_cache(
         )
         budget = free_bytes
     fixed = _fixed(plan, rank, cuda_graphs)
-    per_block = plan.kv_bytes_per_token * block_size
-    num_blocks = max(0, budget - sum(fixed.values())) // per_block
+    per_block = (kv_bytes_per_token or plan.kv_bytes_per_token) * block_size
+    num_blocks = max(0, budget - sum(fixed.values())) // per_block - 1  # the pools hold a scratch block more
     if num_blocks < 1:
         raise MlacError(_no_fit(fixed, budget, per_block, rank, gpu_memory_utilization))
     tokens = num_blocks * block_size
@@ -93,7 +101,7 @@ def plan_kv_cache(
             f"capped at {tokens:,}; lower --max-model-len or raise --gpu-memory-utilization"
         )
     return KVPlan(
-        num_blocks=num_blocks, block_size=block_size, kv_bytes=num_blocks * per_block,
+        num_blocks=num_blocks, block_size=block_size, kv_bytes=(num_blocks + 1) * per_block,
         max_context=min(context, tokens), graph_buckets=len(plan.decode_batch_sizes) if cuda_graphs else 0,
         warnings=tuple(warnings),
     )  # fmt: skip

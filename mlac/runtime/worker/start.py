@@ -16,6 +16,7 @@ from mlac.core.validity import check_artifact
 from mlac.runtime.dist.ranks import rank_device
 from mlac.runtime.dist.world import LaunchSpec, World, plan_world
 from mlac.runtime.expect import check_expected
+from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.worker.build import RankJob, build_runner
 from mlac.runtime.worker.distributed import DistributedRunner, run_rank
 from mlac.runtime.worker.memory_plan import KVPlan, bucket_plan, check_max_model_len, plan_ranks
@@ -51,8 +52,7 @@ def make_runner(
     here = torch.device(options.device) if world.size == 1 else rank_device(world, options.device)
     planned = plan_kv(manifest, here, options)
     if planned is not None:  # every rank gets the same block count (RankJob.fingerprint checks it)
-        layers = manifest.model.num_hidden_layers  # the plan's bytes per block; the MTP pools share them
-        options = replace(options, num_blocks=planned.num_blocks * layers // (layers + options.draft_layers))
+        options = replace(options, num_blocks=planned.num_blocks)
     if world.size == 1:
         return build_runner(RankJob(str(path), options), rank=0)
     check_local_ranks(Path(path), manifest, world)
@@ -66,7 +66,9 @@ def plan_kv(manifest: Manifest, device: torch.device, options: RuntimeOptions) -
     plan (memory_plan.py), on `device`'s memory measured now, before any weight is loaded; its
     warnings are logged. None elsewhere (make_cache's default then). Every rank gets the smallest
     of the ranks' plans, computed here from this GPU's memory: the ranks of a node have identical
-    GPUs, and every node's process plans alike (a node that differs fails the fingerprint check)."""
+    GPUs, and every node's process plans alike (a node that differs fails the fingerprint check).
+    The blocks are sized on what the pools will take (kv_bytes_per_token): the plan's bytes per
+    token assume bf16 compute and count the main layers only."""
     if device.type != "cuda" or options.num_blocks is not None or options.kv_cache_bytes is not None:
         return None
     free, total = torch.cuda.mem_get_info(device)
@@ -74,10 +76,19 @@ def plan_kv(manifest: Manifest, device: torch.device, options: RuntimeOptions) -
         bucket_plan(manifest), total, max_position_embeddings=manifest.model.max_position_embeddings,
         block_size=options.block_size, gpu_memory_utilization=options.gpu_memory_utilization,
         max_model_len=options.max_model_len, free_bytes=free, cuda_graphs=options.graphs_on(device),
+        kv_bytes_per_token=kv_bytes_per_token(manifest, options),
     )  # fmt: skip
     for warning in kv.warnings:
         log.warning(warning)
     return kv
+
+
+def kv_bytes_per_token(manifest: Manifest, options: RuntimeOptions) -> int:
+    """The bytes one token takes in the pools make_cache allocates for `options`: every layer's
+    pool (options.draft_layers MTP pools included) in the storage dtype of the artifact's
+    kv_cache_dtype under options.dtype (a "bf16" cache stores the compute dtype: 4 bytes in float32)."""
+    kv_dtype = manifest.options.kv_cache_dtype
+    return PagedKVCache.bytes_per_block(manifest.model, 1, options.dtype, kv_dtype, options.draft_layers)
 
 
 def check_local_ranks(root: Path, manifest: Manifest, world: World) -> None:

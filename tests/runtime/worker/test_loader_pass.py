@@ -19,7 +19,7 @@ from mlac.core.artifact import IDENTITY, artifact_identity, identity_record
 from mlac.core.errors import MlacError
 from mlac.core.safetensors_io import DATA_ALIGN, SafetensorsFile
 from mlac.runtime.worker import readpass
-from mlac.runtime.worker.loader import VIEW_ALIGN, load_artifact, to_compute_dtype
+from mlac.runtime.worker.loader import VIEW_ALIGN, load_artifact, start_load, to_compute_dtype
 
 RAW = raw_config("v3", num_hidden_layers=2)
 RANK = "rank-00000-of-00001"
@@ -241,11 +241,37 @@ def test_a_tampered_file_that_holds_no_tensors_is_refused(artifact, tmp_path):
     load_artifact(root, verify=False)  # not read at all without hashing
 
 
+def allocations(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The tensors' names grouped by the allocation they view (a derived tensor: alone; empty
+    tensors left out, their storages may have no address)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in sorted(tensors.items()):
+        if t.numel():
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    return sorted(groups.values())
+
+
+def test_a_cast_tensor_is_an_allocation_of_its_own(pristine):
+    # big.w and big.u are stored float32: views of the file's bytes in float32, cast (derived) in bf16
+    fp32 = allocations(load_artifact(pristine, dtype=torch.float32).tensors)
+    bf16 = allocations(load_artifact(pristine, dtype=torch.bfloat16).tensors)
+    assert ["big.u", "big.w"] in fp32
+    assert ["big.u"] in bf16 and ["big.w"] in bf16
+    assert [
+        "p0.0.u8x16",
+        "p0.a.odd_bf16",
+        "p0.h.bool",
+        "p0.l.u8",
+    ] in bf16  # uncast, aligned: views of the file
+    assert allocations(start_load(pristine, dtype=torch.bfloat16).join().tensors) == bf16  # the same plan
+
+
 @pytest.mark.gpu
-def test_cuda_load_through_pinned_staging_equals_the_cpu_load(pristine, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_load_through_pinned_staging_equals_the_cpu_load(pristine, monkeypatch, dtype):
     monkeypatch.setattr(readpass, "CHUNK", 4096)  # many staged copies per file, both buffers reused
-    cpu = load_artifact(pristine, dtype=torch.bfloat16).tensors
-    gpu = load_artifact(pristine, device="cuda", dtype=torch.bfloat16, threads=3).tensors
+    cpu = load_artifact(pristine, dtype=dtype).tensors
+    gpu = load_artifact(pristine, device="cuda", dtype=dtype, threads=3).tensors
     assert {t.device.type for t in gpu.values()} == {"cuda"}
     assert_same({k: t.cpu() for k, t in gpu.items()}, cpu)
-    assert gpu["big.u"].untyped_storage().data_ptr() == gpu["big.w"].untyped_storage().data_ptr()
+    assert allocations(gpu) == allocations(cpu)  # one device allocation per file, the same views of it

@@ -29,42 +29,44 @@ def test_reserve_is_one_gib():
 
 
 def test_blocks_from_what_is_left_per_rank():
-    # 0.9 x 80 = 72 GiB - weights 10 - graph pool 0.5 - prefill 1 - reserve 1 = 59.5 GiB = 60,928 MiB
+    # 0.9 x 80 = 72 GiB - weights 10 - graph pool 0.5 - prefill 1 - reserve 1 = 59.5 GiB = 60,928 MiB,
+    # one of them the pools' scratch block
     p = kv()
-    assert (p.num_blocks, p.kv_tokens, p.max_context) == (60928, 60928 * 16, V3_CONTEXT)
+    assert (p.num_blocks, p.kv_tokens, p.max_context) == (60927, 60927 * 16, V3_CONTEXT)
     assert p.kv_bytes == 60928 * MiB and p.warnings == () and p.graph_buckets == 3
-    assert kv(rank=1).num_blocks == 61952  # 9 GiB of weights on rank 1: 1 GiB more for the cache
+    assert kv(rank=1).num_blocks == 61951  # 9 GiB of weights on rank 1: 1 GiB more for the cache
 
 
 def test_without_cuda_graphs_the_pool_is_not_held():
     # 72 - 10 - max(prefill 1, decode 0.5) - 1 = 60 GiB
     p = kv(cuda_graphs=False)
-    assert p.num_blocks == 60 * 1024 and p.graph_buckets == 0
+    assert p.num_blocks == 60 * 1024 - 1 and p.graph_buckets == 0
 
 
 def test_utilization_one_uses_all_memory():
-    assert kv(gpu_memory_utilization=1.0).num_blocks == (80 - 12.5) * 1024
+    assert kv(gpu_memory_utilization=1.0).num_blocks == (80 - 12.5) * 1024 - 1
 
 
 def test_small_cache_caps_the_context_with_a_warning():
-    # int(16 GiB x 0.9) = 15,461,882,265 bytes - 12.5 GiB = 2,040,109,465 -> 1,945 whole MiB blocks
+    # int(16 GiB x 0.9) = 15,461,882,265 bytes - 12.5 GiB = 2,040,109,465 -> 1,945 whole MiB blocks,
+    # one of them the scratch block
     p = kv(total=16 * GiB)
-    assert p.num_blocks == (15461882265 - 12.5 * GiB) // MiB == 1945
-    assert p.max_context == 1945 * 16 == 31120
+    assert p.num_blocks == (15461882265 - 12.5 * GiB) // MiB - 1 == 1944
+    assert p.max_context == 1944 * 16 == 31104
     assert p.warnings == (
-        "the KV cache holds 31,120 tokens, less than one full context of 163,840: max context capped at "
-        "31,120; lower --max-model-len or raise --gpu-memory-utilization",
+        "the KV cache holds 31,104 tokens, less than one full context of 163,840: max context capped at "
+        "31,104; lower --max-model-len or raise --gpu-memory-utilization",
     )
 
 
 def test_max_model_len_caps_the_context_and_silences_the_warning():
     p = kv(total=16 * GiB, max_model_len=8192)
-    assert p.max_context == 8192 and p.num_blocks == 1945 and p.warnings == ()
+    assert p.max_context == 8192 and p.num_blocks == 1944 and p.warnings == ()
 
 
 def test_less_free_memory_than_the_budget_sizes_on_what_is_free():
     p = kv(free_bytes=40 * GiB)  # 40 - 12.5 = 27.5 GiB
-    assert p.num_blocks == 27.5 * 1024
+    assert p.num_blocks == 27.5 * 1024 - 1
     assert p.warnings == (
         "only 40.00 GiB free of 80.00 GiB (another process holds the rest): the KV cache is sized on the "
         "free memory, not on 0.9 of the total",
@@ -86,7 +88,7 @@ def test_does_not_fit_names_the_numbers():
 
 
 def test_exactly_one_block_fits():
-    total = 12.5 * GiB + MiB  # utilization 1: room for one 1 MiB block, not two
+    total = 12.5 * GiB + 2 * MiB  # utilization 1: room for one 1 MiB block and the scratch block
     assert kv(total=int(total), gpu_memory_utilization=1.0).num_blocks == 1
     with pytest.raises(MlacError, match="leave no room"):
         kv(total=int(total) - 1, gpu_memory_utilization=1.0)
@@ -107,15 +109,22 @@ def test_bad_max_model_len_and_rank():
 
 def test_summary_line():
     assert kv(total=16 * GiB).summary() == (
-        "KV cache: 31,120 tokens (1,945 blocks of 16, 1.90 GiB), max context 31,120, CUDA graphs: 3 buckets"
+        "KV cache: 31,104 tokens (1,944 blocks of 16, 1.90 GiB), max context 31,104, CUDA graphs: 3 buckets"
     )
     assert "CUDA graphs: off" in kv(cuda_graphs=False).summary()
 
 
 def test_every_rank_gets_the_smallest_ranks_plan():
-    # rank 0 holds 1 GiB more weights than rank 1: its 60,928 blocks bind both (see above)
+    # rank 0 holds 1 GiB more weights than rank 1: its 60,927 blocks bind both (see above)
     p = plan_ranks(PLAN, 80 * GiB, max_position_embeddings=V3_CONTEXT, block_size=16)
     assert p == kv(rank=0) and p.num_blocks < kv(rank=1).num_blocks
     heavy_rank_1 = PLAN.model_copy(update={"weight_bytes": [9 * GiB, 10 * GiB]})
     q = plan_ranks(heavy_rank_1, 80 * GiB, max_position_embeddings=V3_CONTEXT, block_size=16)
-    assert q.num_blocks == 60928
+    assert q.num_blocks == 60927
+
+
+def test_blocks_are_sized_on_the_bytes_the_pools_take():
+    # a bf16 cache under float32 compute stores 4-byte elements: twice the plan's 64 KiB a token
+    p = kv(kv_bytes_per_token=2 * PLAN.kv_bytes_per_token)
+    assert p.num_blocks == 60928 // 2 - 1 and p.kv_bytes == 60928 * MiB
+    assert p.kv_bytes == (p.num_blocks + 1) * 16 * 2 * PLAN.kv_bytes_per_token  # the scratch block too

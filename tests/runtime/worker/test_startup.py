@@ -68,8 +68,16 @@ def fixed_bytes(manifest: Manifest, cuda_graphs: bool = True) -> int:
     return b.weight_bytes[0] + transient + RESERVE_BYTES
 
 
-def per_block(manifest: Manifest) -> int:
-    return manifest.buckets.kv_bytes_per_token * 16
+def per_block(manifest: Manifest, bytes_per_element: int = 2, draft_layers: int = 0) -> int:
+    """One 16-token block of the pools: the plan's bytes (2-byte elements, the main layers) scaled."""
+    layers = manifest.model.num_hidden_layers
+    per_layer_token = manifest.buckets.kv_bytes_per_token // layers // 2 * bytes_per_element
+    return per_layer_token * (layers + draft_layers) * 16
+
+
+def blocks(manifest: Manifest, budget: int, cuda_graphs: bool = True, **kw) -> int:
+    """The blocks the allocator hands out: what the budget leaves, less the pools' scratch block."""
+    return (budget - fixed_bytes(manifest, cuda_graphs)) // per_block(manifest, **kw) - 1
 
 
 # ---- KV sizing through the runtime ---------------------------------------------------------------
@@ -79,20 +87,62 @@ def test_cuda_kv_blocks_come_from_the_plan_on_the_measured_memory(art, gpu):
     m = Manifest.load(art)
     gpu(free=8 * GiB, total=8 * GiB)
     kv = plan_kv(m, torch.device("cuda"), RuntimeOptions())
-    assert kv.num_blocks == (int(8 * GiB * 0.9) - fixed_bytes(m)) // per_block(m)
+    assert kv.num_blocks == blocks(m, int(8 * GiB * 0.9))
     half = plan_kv(m, torch.device("cuda"), RuntimeOptions(gpu_memory_utilization=0.5))
-    assert half.num_blocks == (4 * GiB - fixed_bytes(m)) // per_block(m)
-    # float32 captures no graphs: the graph pool is not held
-    eager = plan_kv(m, torch.device("cuda"), RuntimeOptions(dtype=torch.float32))
-    assert eager.num_blocks == (int(8 * GiB * 0.9) - fixed_bytes(m, cuda_graphs=False)) // per_block(m)
+    assert half.num_blocks == blocks(m, 4 * GiB)
+    # no graphs: the graph pool is not held
+    eager = plan_kv(m, torch.device("cuda"), RuntimeOptions(cuda_graph=False))
+    assert eager.num_blocks == blocks(m, int(8 * GiB * 0.9), cuda_graphs=False)
     assert eager.num_blocks > kv.num_blocks
+
+
+def test_float32_compute_stores_a_bf16_cache_in_4_byte_elements(art, gpu):
+    # the artifact's kv_cache_dtype is bf16: under float32 compute its pools hold float32 (paged.py)
+    m = Manifest.load(art)
+    assert m.options.kv_cache_dtype == "bf16"
+    gpu(free=8 * GiB, total=8 * GiB)
+    bf16 = plan_kv(m, torch.device("cuda"), RuntimeOptions(cuda_graph=False))
+    fp32 = plan_kv(m, torch.device("cuda"), RuntimeOptions(dtype=torch.float32))  # no graphs either
+    assert fp32.num_blocks == blocks(m, int(8 * GiB * 0.9), cuda_graphs=False, bytes_per_element=4)
+    assert fp32.num_blocks + 1 == (bf16.num_blocks + 1) // 2 and fp32.kv_bytes <= bf16.kv_bytes
+
+
+def test_the_mtp_layers_pools_are_counted(art, gpu):
+    m = Manifest.load(art)
+    assert len(m.mtp.prefixes) == 1
+    gpu(free=8 * GiB, total=8 * GiB)
+    spec = plan_kv(m, torch.device("cuda"), RuntimeOptions(draft_layers=1))
+    assert spec.num_blocks == blocks(m, int(8 * GiB * 0.9), draft_layers=1)
+    assert spec.max_context == min(spec.num_blocks * 16, m.model.max_position_embeddings)
+
+
+@pytest.mark.parametrize(
+    "dtype, draft_layers", [(torch.bfloat16, 0), (torch.float32, 0), (torch.bfloat16, 1), (torch.float32, 1)]
+)
+def test_the_pools_fit_the_planned_bytes(art, gpu, monkeypatch, dtype, draft_layers):
+    # the cache make_runner's blocks build (on the meta device: sizes only) takes the plan's kv_bytes,
+    # within what the budget leaves after everything else
+    m = Manifest.load(art)
+    gpu(free=8 * GiB, total=8 * GiB)
+    monkeypatch.setattr(start_mod, "build_runner", lambda job, rank: job.options)
+    options = RuntimeOptions(device="cuda", dtype=dtype, draft_layers=draft_layers)
+    planned = plan_kv(m, torch.device("cuda"), options)
+    got = make_runner(art, m, options)
+    assert got.num_blocks == planned.num_blocks
+    kv_dtype = m.options.kv_cache_dtype
+    cache = build_mod.make_cache(
+        m.model, "meta", dtype, got.num_blocks, None, 16, kv_dtype, None, draft_layers
+    )
+    pools = sum(t.numel() * t.element_size() for t in cache.layers)
+    assert pools == planned.kv_bytes
+    assert pools <= int(8 * GiB * 0.9) - fixed_bytes(m, cuda_graphs=options.graphs_on("cuda"))
 
 
 def test_free_memory_smaller_than_the_budget_sizes_on_it(art, gpu):
     m = Manifest.load(art)
     gpu(free=2 * GiB, total=80 * GiB)
     kv = plan_kv(m, torch.device("cuda"), RuntimeOptions())
-    assert kv.num_blocks == (2 * GiB - fixed_bytes(m)) // per_block(m)
+    assert kv.num_blocks == blocks(m, 2 * GiB)
 
 
 def test_explicit_sizes_and_cpu_keep_the_old_default(art, gpu):
@@ -116,13 +166,13 @@ def test_make_runner_passes_the_planned_blocks_to_the_rank(art, gpu, monkeypatch
     gpu(free=8 * GiB, total=8 * GiB)
     monkeypatch.setattr(start_mod, "build_runner", lambda job, rank: job.options)
     options = make_runner(art, m, RuntimeOptions(device="cuda", max_model_len=100))
-    assert options.num_blocks == (int(8 * GiB * 0.9) - fixed_bytes(m)) // per_block(m)
+    assert options.num_blocks == blocks(m, int(8 * GiB * 0.9))
     assert options.max_model_len == 100
 
 
 def test_a_cache_smaller_than_one_context_is_a_warning(art, gpu, caplog):
     m = Manifest.load(art)
-    gpu(free=fixed_bytes(m) + 10 * per_block(m), total=80 * GiB)
+    gpu(free=fixed_bytes(m) + 11 * per_block(m), total=80 * GiB)  # 10 blocks and the scratch block
     with caplog.at_level(logging.WARNING, logger="mlac.runtime"):
         kv = plan_kv(m, torch.device("cuda"), RuntimeOptions())
     assert kv.num_blocks == 10 and kv.max_context == 160
