@@ -66,6 +66,26 @@ def compile_template(source: str):
     return env.from_string(source)
 
 
+class FinalMessageNotFound(MlacError, ValueError):
+    """continue_final_message: the final message's content is not in the rendered chat (the
+    template dropped or rewrote it), or there is none to continue."""
+
+
+def cut_after_final(text: str, content: str | None) -> str:
+    """`text` (a chat rendered without a generation prompt) cut right after the last occurrence of
+    the final message's `content`: the end-of-turn the template wrote after it goes, and the model
+    continues that message. A template that trims the content is matched by the trimmed text."""
+    if not content or not content.strip():
+        raise FinalMessageNotFound("the final message has no content to continue")
+    for needle in (content, content.strip()):
+        at = text.rfind(needle)
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise FinalMessageNotFound(
+        "the final message's content does not appear in the chat as the template renders it"
+    )
+
+
 def _load_tokenizer_json(path: Path):
     """The `tokenizers` Tokenizer of tokenizer.json; a file it cannot parse is an MlacError naming it."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -140,29 +160,38 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render chat messages with the template as transformers' apply_chat_template does:
         sandboxed jinja2, the special tokens (bos_token, eos_token, ...), `tools`, and
         `template_kwargs` (a request's chat_template_kwargs, e.g. thinking=True) as variables.
+        `continue_final_message`: the final message is left open (rendered without a generation
+        prompt, cut after its content: cut_after_final), for the model to continue; with
+        `add_generation_prompt` it is a ValueError, as in transformers.
         A template that refuses the messages raises jinja2's TemplateError."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.chat_template is None:
             raise MlacError("this artifact's tokenizer has no chat_template")
         if self._template is None:
             self._template = compile_template(self.chat_template)
         fixed = {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
-        return self._template.render({"bos_token": "", "eos_token": "", **self.special_tokens, **template_kwargs,
+        text = self._template.render({"bos_token": "", "eos_token": "", **self.special_tokens, **template_kwargs,
                                       **fixed})  # fmt: skip
+        return cut_after_final(text, messages[-1].get("content")) if continue_final_message else text
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """Chat prompt ids. Templates write bos themselves, so none is prepended here (bos once)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
+                                        **template_kwargs)  # fmt: skip
         return self.encode(text, add_bos=False)
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:

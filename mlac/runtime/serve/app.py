@@ -25,6 +25,7 @@ from mlac.core.version import __version__
 from mlac.runtime.engine.constrain import GrammarSpec
 from mlac.runtime.engine.generation_config import sampling_defaults
 from mlac.runtime.engine.sequence import Sequence
+from mlac.runtime.engine.tokenizer import FinalMessageNotFound
 from mlac.runtime.serve.body import read_body
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_client import EngineClient, start_engine
@@ -39,9 +40,11 @@ from mlac.runtime.serve.protocol import (
     TokenizeBody,
     chat_messages,
     check_choices,
+    generation_prompt,
     grammar_spec,
     new_sequences,
     prompt_list,
+    truncate_prompt,
 )
 from mlac.runtime.serve.reasoning import prompt_opens_think, splits
 from mlac.runtime.serve.render import ChatRender, CompletionRender, Render, sse
@@ -207,7 +210,9 @@ class Api:
         rid = request_id(request)
 
         def make() -> list[Sequence]:  # choice p * n + j: prompt p's j-th
-            ids = [engine.encode_prompt(p) for p in prompts]
+            ids = [
+                truncate_prompt(_encode_prompt(engine, p, body), body, engine.max_context) for p in prompts
+            ]
             names = [rid if len(ids) == 1 else f"{rid}-{p}" for p in range(len(ids))]
             return [s for i, name in zip(ids, names, strict=True)
                     for s in new_sequences(engine, i, body, max(1, max_tokens), body.logprobs, "prompt",
@@ -216,7 +221,10 @@ class Api:
         text = sum(len(p) for p in prompts if isinstance(p, str))  # token ids cost next to nothing
         seqs = await _build(make, _cheap(body, text))
         sub = Submission(self.loop, seqs)
-        echo = [_echo_text(engine, p) for p in prompts for _ in range(body.n)] if body.echo else None
+        # the echo of choice k: its prompt as given; with truncate_prompt_tokens, the tokens that ran
+        cut = body.truncate_prompt_tokens is not None
+        echoed = [s.prompt_ids if cut else prompts[k // body.n] for k, s in enumerate(seqs)]
+        echo = [_echo_text(engine, p) for p in echoed] if body.echo else None
         render = CompletionRender(engine.tokenizer, self.config.model_name, len(seqs), body.logprobs is not None,
                                   echo, [s.prompt_ids for s in seqs], body.prompt_logprobs is not None,
                                   echo_only=max_tokens == 0)  # fmt: skip
@@ -242,7 +250,7 @@ class Api:
         grammar = GrammarSpec("lark", tools.grammar) if tools.grammar is not None else None  # forced calls
 
         def make() -> list[Sequence]:
-            ids = _encode_chat(engine, messages, body)
+            ids = truncate_prompt(_encode_chat(engine, messages, body), body, engine.max_context)
             max_tokens = (
                 body.max_completion_tokens or body.max_tokens or max(1, engine.max_context - len(ids))
             )
@@ -256,7 +264,7 @@ class Api:
         reasoning = splits(self.config.reasoning_parser, body.chat_template_kwargs)
         render = ChatRender(engine.tokenizer, self.config.model_name, body.logprobs, body.n, reasoning,
                             prompt_opens_think(tail), fmt if tools.parse else None,
-                            body.prompt_logprobs is not None)  # fmt: skip
+                            body.prompt_logprobs is not None, _chat_echo(messages, body))  # fmt: skip
         render.choices_per_prompt = body.n
         return await _respond(request, body, sub, render, lambda: self._count(request, 200))
 
@@ -275,9 +283,7 @@ class Api:
         def make() -> list[int]:
             if body.messages is None:
                 return tok.encode(body.prompt or "", add_bos=body.add_special_tokens is not False)
-            ids = _encode_chat(engine, chat_messages(body), body)
-            bos = body.add_special_tokens and tok.bos_token_id is not None
-            return [tok.bos_token_id, *ids] if bos else ids
+            return _encode_chat(engine, chat_messages(body), body)
 
         ids = await asyncio.to_thread(make)
         strs = [tok.token_text(i) for i in ids] if body.return_token_strs else None
@@ -319,15 +325,43 @@ class Api:
 
 
 def _encode_chat(engine, messages: list[dict], body: ChatBody | TokenizeBody) -> list[int]:
-    """The chat prompt's ids: the template over messages, tools and chat_template_kwargs; 400 when
-    the template refuses them, or fails on them (vLLM's R1 tool template: `'</think>' in None`)."""
+    """The chat prompt's ids: the template over messages, tools, documents and chat_template_kwargs,
+    the final message left open with continue_final_message, bos prepended only when
+    add_special_tokens asks (the template writes its own); 400 when the template refuses them,
+    or fails on them (vLLM's R1 tool template: `'</think>' in None`), or when the final message
+    cannot be continued (its content is not in the rendered chat)."""
     from jinja2.exceptions import TemplateError
 
-    kwargs = body.chat_template_kwargs or {}
+    tok = engine.tokenizer
+    documents = getattr(body, "documents", None)
+    kwargs = {
+        **({"documents": documents} if documents is not None else {}),
+        **(body.chat_template_kwargs or {}),
+    }
     try:
-        return engine.tokenizer.encode_chat(messages, body.add_generation_prompt, body.tools, **kwargs)
+        ids = tok.encode_chat(
+            messages, generation_prompt(body), body.tools, body.continue_final_message, **kwargs
+        )
+    except FinalMessageNotFound as e:
+        raise ApiError(400, f"continue_final_message: {e}", param="continue_final_message") from None
     except (TemplateError, TypeError) as e:
         raise ApiError(400, f"chat template refused the messages: {e}", param="messages") from None
+    bos = body.add_special_tokens and tok.bos_token_id is not None
+    return [tok.bos_token_id, *ids] if bos else ids
+
+
+def _encode_prompt(engine, prompt: str | list[int], body: CompletionBody) -> list[int]:
+    """A completion prompt's ids: text with bos unless add_special_tokens is false; ids as given."""
+    if isinstance(prompt, str) and body.add_special_tokens is False and engine.tokenizer is not None:
+        return engine.tokenizer.encode(prompt, add_bos=False)
+    return engine.encode_prompt(prompt)
+
+
+def _chat_echo(messages: list[dict], body: ChatBody) -> str | None:
+    """What `echo` puts before each chat answer: the final message's content when that message is
+    an assistant's (the answer's role), as vLLM; else nothing."""
+    last = messages[-1]
+    return (last.get("content") or "") if body.echo and last["role"] == "assistant" else None
 
 
 def _echo_text(engine, prompt: str | list[int]) -> str:

@@ -16,9 +16,10 @@ engine: constrain.InvalidGrammar).
 Sampling fields as vLLM's (SamplingParams checks them again): presence and frequency penalties in
 [-2, 2], repetition_penalty > 0, logit_bias {"token id": bias in [-100, 100]} (ids in the
 vocabulary), min_tokens <= max_tokens, prompt_logprobs in [0, 20]; `echo` on completions (with
-max_tokens 0: the prompt only, scored). Fields that mlac does not implement (UNSUPPORTED_EXTRAS:
-beam search, ...) are a 400 naming the field unless they hold their neutral value: never a
-silent 200.
+max_tokens 0: the prompt only, scored) and on chat (the final assistant message's content first);
+truncate_prompt_tokens >= 1 or -1; continue_final_message not with add_generation_prompt true.
+Fields that mlac does not implement (UNSUPPORTED_EXTRAS: beam search, ...) are a 400 naming the
+field unless they hold their neutral value: never a silent 200.
     prompt + max_tokens   within the engine's context
 """
 
@@ -108,6 +109,10 @@ class Body(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    # prompt tokens kept, the last ones (-1: the model's context); None: all
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool | None = None  # bos: completions true (a text prompt), chat false
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM: a JSON schema
     guided_regex: str | None = None
@@ -127,7 +132,6 @@ class CompletionBody(Body):
     max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo only (the prompt, scored)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
 
 
@@ -147,7 +151,10 @@ class ChatBody(Body):
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function (tool_choice.py)
     parallel_tool_calls: bool | None = None  # false: a forced answer makes one call
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"thinking": true}
-    add_generation_prompt: bool = True
+    documents: list[dict[str, Any]] | None = None  # a template variable (RAG templates read it)
+    add_generation_prompt: bool | None = None  # None: true, unless continue_final_message
+    continue_final_message: bool = False  # the final message left open: the model continues it
+    echo: bool = False  # the answer starts with the final message's content when it is an assistant's
 
 
 class TokenizeBody(BaseModel):
@@ -159,7 +166,8 @@ class TokenizeBody(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
@@ -172,6 +180,14 @@ class DetokenizeBody(BaseModel):
 
     model: str
     tokens: list[int]
+
+
+def generation_prompt(body: ChatBody | TokenizeBody) -> bool:
+    """Whether the chat template adds the generation prompt: as asked, else unless the final
+    message is continued (both true is a 400: parse_body)."""
+    if body.add_generation_prompt is None:
+        return not body.continue_final_message
+    return body.add_generation_prompt
 
 
 def chat_messages(body: ChatBody | TokenizeBody) -> list[dict[str, Any]]:
@@ -188,17 +204,46 @@ UNSUPPORTED = {
     "suffix": "suffix is not supported",
 }
 # Fields no model above declares, each with its neutral values (null is always neutral): any other
-# value is a 400 naming the field.
+# value is a 400 naming the field. OpenAI's first, then vLLM's. Fields that change nothing mlac
+# computes are ignored instead (docs/serving.md lists them): metadata (user, metadata, store,
+# request_id, session_id), the media fields of multimodal inputs (mm_processor_kwargs,
+# media_io_kwargs: content parts are text only), how output is batched or rendered elsewhere
+# (stream_interval, return_token_offsets, return_mm_kwargs), guided_decoding_backend (the same
+# constraint, llguidance's), and spaces_between_special_tokens (special tokens are skipped).
 UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
-    "length_penalty": (1, 1.0),
-    "use_beam_search": (False,),
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
     "web_search_options": (),
+    "reasoning_effort": (),
+    "length_penalty": (1, 1.0),
+    "use_beam_search": (False,),
+    "early_stopping": (False,),
     "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "include_reasoning": (True,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logprob_token_ids": (),
+    "logits_processors": ([],),
+    "truncation_side": ("left",),  # truncate_prompt_tokens keeps the last tokens
+    "thinking_token_budget": (-1,),
+    "repetition_detection": (),
+    "watermarking": (False,),
+    "prompt_embeds": (),
+    "chat_template": (),
+    "priority": (0,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "ec_transfer_params": (),
+    "vllm_xargs": ({},),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "return_prompt_text": (False,),
 }
 
 
@@ -229,6 +274,15 @@ def parse_body(model: type[BaseModel], data: Any) -> Any:
         raise ApiError(
             400, "max_tokens: 0 is only allowed with echo (the prompt, scored)", param="max_tokens"
         )
+    if getattr(body, "continue_final_message", False) and body.add_generation_prompt:
+        raise ApiError(400, "continue_final_message: cannot be true with add_generation_prompt true "
+                       "(continue the final message, or start a new one)", param="continue_final_message")  # fmt: skip
+    if getattr(body, "truncate_prompt_tokens", None) == 0:
+        raise ApiError(400, "truncate_prompt_tokens: must be >= 1 (or -1: the model's context)",
+                       param="truncate_prompt_tokens")  # fmt: skip
+    if (getattr(body, "stream_options", None) or {}).get("continuous_usage_stats"):
+        raise ApiError(400, "stream_options.continuous_usage_stats is not supported",
+                       param="stream_options.continuous_usage_stats")  # fmt: skip
     check_stop(getattr(body, "stop", None))
     return body
 
@@ -307,7 +361,7 @@ def prompt_logprobs(body: Body, logprobs: int | None) -> int | None:
     """The prompt logprobs a request needs: prompt_logprobs, and with echo, as many alternatives
     as its logprobs (the echoed prompt's tokens are scored too)."""
     asked = body.prompt_logprobs
-    if getattr(body, "echo", False) and logprobs is not None:
+    if isinstance(body, CompletionBody) and body.echo and logprobs is not None:
         return max(asked or 0, logprobs)
     return asked
 
@@ -337,6 +391,13 @@ def message_text(content: str | list[dict[str, Any]] | None, where: str) -> str 
             raise ApiError(400, f"{where}[{j}].text: must be a string", param=f"{where}[{j}].text")
         parts.append(part["text"])
     return "".join(parts)
+
+
+def truncate_prompt(ids: list[int], body: Body, context: int) -> list[int]:
+    """The prompt tokens that run: the last `truncate_prompt_tokens` (-1: `context`), else all."""
+    keep = body.truncate_prompt_tokens
+    keep = context if keep == -1 else keep
+    return ids if keep is None or keep >= len(ids) else ids[len(ids) - keep :]
 
 
 def prompt_list(prompt: str | list, limit: int, n: int = 1) -> list[str | list[int]]:

@@ -244,12 +244,15 @@ class ChatRender(Render):
 
     def __init__(self, tokenizer, model: str, logprobs: bool, n: int = 1, reasoning: bool = False,
                  think_opened: bool = False, tool_calls: ToolFormat | None = None,
-                 prompt_logprobs: bool = False):  # fmt: skip
+                 prompt_logprobs: bool = False, echo: str | None = None):  # fmt: skip
         """`reasoning`: split each choice's text into reasoning_content and content (reasoning.py);
         `think_opened`: the chat template ended the prompt in `<think>`; `tool_calls`: parse tool
         calls of that format out of the content (tools.py);
-        `prompt_logprobs`: the body carries vLLM's `prompt_logprobs` (the prompt is the choices')."""
+        `prompt_logprobs`: the body carries vLLM's `prompt_logprobs` (the prompt is the choices');
+        `echo`: text put before each choice's content (the message's, and the stream's first
+        delta: the one that opens the message)."""
         super().__init__(tokenizer, model, n)
+        self.echo = echo or ""
         self.want_logprobs = logprobs
         self.show_prompt_logprobs = prompt_logprobs
         self.think_opened = think_opened
@@ -278,7 +281,7 @@ class ChatRender(Render):
                 [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": self.echo},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -340,6 +343,8 @@ class ChatRender(Render):
 
     def _choice(self, i: int) -> dict:
         message = self._message(i)
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         return {"index": i, "message": message, "logprobs": self._logprobs(self.logprobs[i]),
                 "finish_reason": _finish(self.finish[i], bool(message.get("tool_calls")))}  # fmt: skip
 

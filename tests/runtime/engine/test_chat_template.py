@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlac.runtime.engine.tokenizer import Tokenizer
+from mlac.runtime.engine.tokenizer import FinalMessageNotFound, Tokenizer
 from mlac.synth.tokenizer import CHAT_TEMPLATE, write_tokenizer
 
 # A DeepSeek-style template that uses what the synthetic one does not: tools (tojson), assistant
@@ -115,6 +115,41 @@ def test_tools_reach_the_template_unescaped(tool_dir):
 def test_null_content_with_tool_calls_is_kept(tool_dir):
     text = Tokenizer(tool_dir).apply_chat_template(CONVERSATIONS["tool round trip"])
     assert '<|Assistant|>call weather {"city": "Paris"}' in text and "result call_1: sunny" in text
+
+
+OPEN_TURN = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Well, hi "}]
+
+
+@pytest.mark.parametrize("root", ["tool_dir", "synth_dir"])
+def test_continue_final_message_matches_transformers(root, request):
+    path = request.getfixturevalue(root)
+    mine = Tokenizer(path).encode_chat(OPEN_TURN, add_generation_prompt=False, continue_final_message=True)
+    want = _hf_ids(path, OPEN_TURN, add_generation_prompt=False, continue_final_message=True)
+    assert mine == want
+    assert mine != Tokenizer(path).encode_chat(OPEN_TURN, add_generation_prompt=False)  # end of turn cut
+
+
+def test_continue_final_message_cuts_after_the_last_occurrence(tool_dir):
+    tok = Tokenizer(tool_dir)
+    msgs = [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}]
+    assert tok.apply_chat_template(msgs, False, continue_final_message=True).endswith(
+        "<|User|>ok<|Assistant|>ok"
+    )
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        tok.apply_chat_template(msgs, True, continue_final_message=True)
+
+
+def test_continue_final_message_content_not_rendered(tmp_path):
+    root = _tokenizer_dir(tmp_path / "drops", "{{ messages[0]['content'] | upper }}", jinja=True)
+    tok = Tokenizer(root)
+    with pytest.raises(FinalMessageNotFound, match="does not appear"):
+        tok.apply_chat_template([{"role": "assistant", "content": "abc"}], False, continue_final_message=True)
+    with pytest.raises(FinalMessageNotFound, match="no content"):
+        tok.apply_chat_template([{"role": "assistant", "content": None}], False, continue_final_message=True)
+    trims = _tokenizer_dir(tmp_path / "trims", "<a>{{ messages[0]['content'] | trim }}</a>", jinja=True)
+    out = Tokenizer(trims).apply_chat_template([{"role": "assistant", "content": " x y "}], False,
+                                               continue_final_message=True)  # fmt: skip
+    assert out == "<a>x y"  # matched by the trimmed text, as transformers does
 
 
 def test_jinja_file_wins_over_the_config(tmp_path):

@@ -1,24 +1,32 @@
 """The request fields vLLM users send, through the server with the official openai client:
 penalties, logit_bias and min_tokens (the same tokens as the engine's, which test_penalties.py
 checks against a reference), echo (with logprobs, with max_tokens 0, streamed), prompt_logprobs,
-guided_choice / guided_regex / guided_grammar / structured_outputs, and a 400 naming each field
-given out of its range."""
+guided_choice / guided_regex / guided_grammar / structured_outputs, continue_final_message and
+echo on chat, add_special_tokens, truncate_prompt_tokens, documents, a 400 naming each field given
+out of its range, and a 400 naming each vLLM field mlac does not implement unless it is neutral."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import openai
 import pytest
 import torch
 
+from mlac.core.artifact import TOKENIZER_DIR
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.serve import ServerConfig, ServerThread
+from mlac.runtime.serve.app import _encode_chat
+from mlac.runtime.serve.protocol import ChatBody, chat_messages, parse_body
 
 KEY, MODEL = "sk-test", "tiny"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The morning train left the station"
 MSGS = [{"role": "user", "content": "Say something."}]
 
@@ -195,3 +203,164 @@ def test_out_of_range_values_are_400_naming_the_field(c, field, value):
             call()
         assert e.value.body["param"].split(".")[0] == field, e.value.body
         assert e.value.body["type"] == "invalid_request_error"
+
+
+# ---- continue_final_message and echo on chat ---------------------------------------------------
+
+PREFIX = "The morning train left"
+OPEN = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": PREFIX}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def _tokenize(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/tokenize", json={"model": MODEL, **body}, headers=AUTH)
+
+
+def _open_prompt(ref) -> list[int]:
+    """OPEN rendered without a generation prompt and cut right after PREFIX (no end of turn)."""
+    whole = ref.tokenizer.apply_chat_template(OPEN, add_generation_prompt=False)
+    cut = whole[: whole.rindex(PREFIX) + len(PREFIX)]
+    assert cut != whole and whole.startswith(cut)  # the template's end of turn is dropped
+    return ref.tokenizer.encode(cut, add_bos=False)
+
+
+def test_continue_final_message_leaves_the_final_message_open(server, c, ref):
+    want = _open_prompt(ref)
+    for body in (CONTINUE, {"continue_final_message": True}):  # add_generation_prompt left out: false
+        r = _tokenize(server, messages=OPEN, **body)
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == want
+    assert _tokenize(server, messages=OPEN, add_generation_prompt=False).json()["tokens"] != want
+    r = c.chat.completions.create(
+        model=MODEL, messages=OPEN, max_tokens=6, temperature=0, extra_body=CONTINUE
+    )
+    assert r.usage.prompt_tokens == len(want)
+    assert r.choices[0].message.content == ref.generate(want, SamplingParams(max_tokens=6)).text
+    closed = c.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=6, temperature=0)
+    assert closed.usage.prompt_tokens != len(want)
+
+
+def test_continue_final_message_with_a_generation_prompt_is_400(server, c):
+    both = {"continue_final_message": True, "add_generation_prompt": True}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=2, extra_body=both)
+    assert e.value.body["param"] == "continue_final_message"
+    r = _tokenize(server, messages=OPEN, **both)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    blank = [OPEN[0], {"role": "assistant", "content": "  "}]  # nothing to continue
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=blank, max_tokens=2, extra_body=CONTINUE)
+    assert e.value.body["param"] == "continue_final_message"
+
+
+def test_chat_echo_puts_the_final_assistant_content_first(c):
+    plain = c.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=5, temperature=0, n=2,
+                                      extra_body=CONTINUE)  # fmt: skip
+    echoed = c.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=5, temperature=0, n=2,
+                                       extra_body={**CONTINUE, "echo": True})  # fmt: skip
+    assert [ch.message.content for ch in echoed.choices] == [
+        PREFIX + ch.message.content for ch in plain.choices
+    ]
+    assert echoed.usage == plain.usage
+    user_last = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, temperature=0,
+                                          extra_body={"echo": True})  # fmt: skip
+    alone = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, temperature=0)
+    assert user_last.choices[0].message.content == alone.choices[0].message.content  # a user's: no echo
+
+
+def test_chat_echo_streamed_opens_with_the_echo(c):
+    whole = c.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=5, temperature=0, n=2,
+                                      extra_body={**CONTINUE, "echo": True})  # fmt: skip
+    stream = c.chat.completions.create(model=MODEL, messages=OPEN, max_tokens=5, temperature=0, n=2,
+                                       stream=True, extra_body={**CONTINUE, "echo": True})  # fmt: skip
+    deltas: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in stream:
+        for ch in chunk.choices:
+            if ch.delta.content:
+                deltas[ch.index].append(ch.delta.content)
+    for i, ch in enumerate(whole.choices):
+        assert deltas[i][0] == PREFIX  # the first content delta is the echo alone
+        assert "".join(deltas[i]) == ch.message.content
+
+
+# ---- add_special_tokens, truncate_prompt_tokens, documents -------------------------------------
+
+
+def test_add_special_tokens(c, ref):
+    ids = ref.encode_prompt(PROMPT)
+    assert ids[0] == ref.tokenizer.bos_token_id
+    bare = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                extra_body={"add_special_tokens": False})  # fmt: skip
+    assert bare.usage.prompt_tokens == len(ids) - 1
+    assert bare.choices[0].text == ref.generate(ids[1:], SamplingParams(max_tokens=4)).text
+    chat = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    bos = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1,
+                                    extra_body={"add_special_tokens": True})  # fmt: skip
+    assert bos.usage.prompt_tokens == chat.usage.prompt_tokens + 1  # a second bos, as asked
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(c, ref):
+    ids = ref.encode_prompt(PROMPT)
+    r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                             extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    assert r.usage.prompt_tokens == 3
+    tail = ref.generate(ids[-3:], SamplingParams(max_tokens=4)).text
+    assert r.choices[0].text == ref.tokenizer.decode(ids[-3:], skip_special_tokens=False) + tail
+    whole = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                 extra_body={"truncate_prompt_tokens": -1})  # fmt: skip
+    assert whole.usage.prompt_tokens == len(ids)  # the context holds it all
+    chat = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": 2})  # fmt: skip
+    assert chat.usage.prompt_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
+        )
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_documents_reach_the_template(art, tmp_path):
+    (tmp_path / "t.jinja").write_text(
+        "{% for d in documents %}[{{ d.title }}]{% endfor %}{{ messages[0].content }}"
+    )
+    tok = Tokenizer(art / TOKENIZER_DIR)
+    tok.use_chat_template(tmp_path / "t.jinja")
+    body = parse_body(
+        ChatBody, {"model": MODEL, "messages": MSGS, "documents": [{"title": "A", "text": "a"}]}
+    )
+    ids = _encode_chat(SimpleNamespace(tokenizer=tok), chat_messages(body), body)
+    assert tok.decode(ids) == "[A]" + MSGS[0]["content"]
+
+
+# ---- fields mlac does not implement ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, neutral",
+    [("include_stop_str_in_output", True, False), ("skip_special_tokens", False, True),
+     ("include_reasoning", False, True), ("allowed_token_ids", [5, 6], None), ("bad_words", ["train"], []),
+     ("logprob_token_ids", [5], None), ("logits_processors", ["m.P"], []), ("truncation_side", "right", "left"),
+     ("thinking_token_budget", 8, -1), ("repetition_detection", {"max_pattern_size": 4}, None),
+     ("watermarking", True, False), ("early_stopping", True, False), ("prompt_embeds", "AAAA", None),
+     ("chat_template", "{{ 'x' }}", None), ("priority", 1, 0), ("cache_salt", "s", None),
+     ("kv_transfer_params", {"do_remote_prefill": True}, None), ("ec_transfer_params", {"x": 1}, None),
+     ("vllm_xargs", {"k": 1}, {}), ("structural_tag", "{}", None), ("reasoning_effort", "low", None),
+     ("return_tokens_as_token_ids", True, False), ("return_token_ids", True, False),
+     ("return_prompt_text", True, False)],
+)  # fmt: skip
+def test_unimplemented_vllm_fields_are_400_unless_neutral(c, field, value, neutral):
+    for call in (
+        lambda extra: c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra),
+        lambda extra: c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, extra_body=extra),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            call({field: value})
+        assert e.value.body["param"] == field and field in e.value.body["message"]
+        assert call({field: neutral}).usage.completion_tokens == 1
+
+
+def test_continuous_usage_stats_is_400(c):
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True})  # fmt: skip
+    assert e.value.body["param"] == "stream_options.continuous_usage_stats"
