@@ -6,30 +6,17 @@ tools and chat_template_kwargs through the server, and a 400 naming each unsuppo
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 
-from mlac.runtime.engine.engine import Engine
 from mlac.runtime.engine.generation_config import SamplingDefaults, sampling_defaults
 from mlac.runtime.serve import ServerConfig, ServerThread
 from mlac.runtime.serve.protocol import ChatBody, parse_body, sampling_params
 
 KEY, MODEL = "sk-test", "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
-
-
-@pytest.fixture(scope="module")
-def ref(art) -> Engine:
-    return Engine.from_artifact(art, dtype=torch.float32, verify=False)
 
 
 @pytest.fixture(scope="module")

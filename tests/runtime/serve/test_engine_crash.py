@@ -29,11 +29,6 @@ BUG = "'NoneType' object is not subscriptable"  # a bug in the loop's metrics co
 CLIENT_TIMEOUT = 20.0  # an answer within this is "at once" on a loaded CPU; a hang would be 300 s
 
 
-@pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
-
-
 def config(art: Path, engine_process: bool, **kw) -> ServerConfig:
     base = dict(artifact=art, dtype="float32", verify=False, served_model_name=MODEL,
                 engine_process=engine_process, drain_timeout=5.0)  # fmt: skip

@@ -31,11 +31,6 @@ from mlac.runtime.serve.metrics import ENGINE_METRICS, Metrics, MetricsRecorder,
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
-
-
 def config(art: Path, **kw) -> ServerConfig:
     base = dict(artifact=art, dtype="float32", verify=False, served_model_name=MODEL, engine_process=True,
                 drain_timeout=5.0)  # fmt: skip

@@ -105,11 +105,6 @@ class ScriptedSubmission:
         pass
 
 
-@pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
-
-
 def serve(art: Path, tmp_path: Path, template: str | None = None, parser: str | None = "deepseek_r1"):
     chat_template = None
     if template is not None:

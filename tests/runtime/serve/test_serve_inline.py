@@ -5,7 +5,6 @@ a worker thread; a completion's prompt keeps its type (token ids are tried first
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,11 +13,6 @@ from mlac.runtime.serve import ServerConfig, ServerThread, app
 from mlac.runtime.serve.protocol import ApiError, CompletionBody, parse_body
 
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
 
 
 def test_small_requests_are_built_on_the_event_loop_large_text_and_grammars_in_a_worker(art, monkeypatch):

@@ -22,7 +22,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import mlac
@@ -32,17 +31,6 @@ from mlac.runtime.serve import ServerConfig, ServerThread, load_engine
 KEY = "sk-test"
 MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
-
-
-@pytest.fixture(scope="module")
-def ref(art) -> Engine:
-    """A second engine over the same artifact: what each request gives when run alone."""
-    return Engine.from_artifact(art, dtype=torch.float32, verify=False)
 
 
 def config(art: Path, **kw) -> ServerConfig:

@@ -47,11 +47,6 @@ def config(art: Path, **kw) -> ServerConfig:
 
 
 @pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
-
-
-@pytest.fixture(scope="module")
 def server(art):
     with ServerThread(config(art, request_body_timeout=1.0)) as srv:
         yield srv

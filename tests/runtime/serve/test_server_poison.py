@@ -15,31 +15,18 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from test_server_limits import no_tracebacks, openai_error
 
 from mlac.runtime.engine import sampling
-from mlac.runtime.engine.engine import Engine
 from mlac.runtime.serve import ServerConfig, ServerThread, load_engine
 
 MODEL = "tiny"
 POISON_SEEDS = (666, 667)  # the poisoned requests: their rows raise from their third draw on
 BOOM = "poisoned row"
 TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
-
-
-@pytest.fixture(scope="module")
-def ref(art) -> Engine:
-    return Engine.from_artifact(art, dtype=torch.float32, verify=False)
 
 
 def slow_engine(cfg: ServerConfig, step_seconds: float):

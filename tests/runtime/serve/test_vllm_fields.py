@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 from mlac.core.artifact import TOKENIZER_DIR
-from mlac.runtime.engine.engine import Engine
 from mlac.runtime.engine.sampling import SamplingParams
 from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.serve import ServerConfig, ServerThread
@@ -29,16 +27,6 @@ KEY, MODEL = "sk-test", "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The morning train left the station"
 MSGS = [{"role": "user", "content": "Say something."}]
-
-
-@pytest.fixture(scope="module")
-def art(artifact) -> Path:
-    return artifact("tiny-v3")
-
-
-@pytest.fixture(scope="module")
-def ref(art) -> Engine:
-    return Engine.from_artifact(art, dtype=torch.float32, verify=False)
 
 
 @pytest.fixture(scope="module")
