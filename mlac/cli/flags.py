@@ -81,7 +81,7 @@ def _overlap(disabled: bool, parsed: Mapping[str, Any]) -> bool | None:
 
 
 def _speculative_num_steps(steps: int | None, parsed: Mapping[str, Any]) -> int:
-    from mlac.runtime.engine.spec.decode import num_steps_of
+    from mlac.runtime.engine.options import num_steps_of
 
     return num_steps_of(parsed.get("speculative_algorithm"), steps)
 

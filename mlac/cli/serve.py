@@ -107,11 +107,15 @@ def serve(out_dir, nnodes, node_rank, master_addr, master_port, log_level, engin
     process = EngineProcess.start(out_dir, launch) if engine_process and serves else None
     if process is not None:
         click.get_current_context().call_on_close(process.close)
-    from mlac.runtime.serve import ServerConfig, load_engine
-    from mlac.runtime.serve import serve as run_server
+    from mlac.runtime.serve.config import ServerConfig  # (no torch: the options chain is plain data)
 
     config = ServerConfig.of(artifact=out_dir, launch=launch, process_start=PROCESS_START,
                              engine_process=process is not None, **option_fields(flags))  # fmt: skip
+    if process is not None:  # the engine's process loads while this one imports torch and the HTTP stack
+        configure_early(process, config, log_level)
+    from mlac.runtime.serve import load_engine
+    from mlac.runtime.serve import serve as run_server
+
     if not serves:  # this node's ranks run rank 0's steps inside make_runner, which ends the process
         try:
             load_engine(config).close()
@@ -131,3 +135,18 @@ def check_stated(out_dir, flags: dict) -> None:
     stated = option_fields({k: flags[k] for k in ("tensor_parallel_size", "kv_cache_dtype", "dp_attention")})
     if any(v is not None for v in stated.values()):
         check_expected(Manifest.load(out_dir), **stated)
+
+
+def configure_early(process, config, log_level: str) -> None:
+    """What launch.serve refuses before the model loads, refused here too (none of it imports
+    torch); then the engine's process gets its config and loads while this process imports torch
+    and the HTTP stack. On a GPU host the two imports ran side by side before, and the engine waited
+    for the slower: about a second of start-up (benchmarks/results/startup_v2-lite-4layer_h100.json)."""
+    from mlac.core.artifact import Manifest
+    from mlac.runtime.engine.generation_config import sampling_defaults
+    from mlac.runtime.serve.port import check_port
+
+    Manifest.load(config.artifact)
+    sampling_defaults(config.artifact, config.generation_config)
+    check_port(config.host, config.port)
+    process.configure(config, log_level)

@@ -54,7 +54,6 @@ import math
 from mlac.core.artifact import BucketPlan, CompileOptions, TensorEntry
 from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
-from mlac.core.safetensors_io import DTYPES
 
 MAX_BS = 4096
 LADDER_HEAD = (1, 2, 4, 8)  # then multiples of LADDER_STEP
@@ -63,7 +62,7 @@ SAFETY_FACTOR = 2.0
 HIDDEN_COPIES = 4
 MAX_SPLITS = 64  # the most split-KV chunks mla_decode_plan.choose_num_splits picks
 MOE_BLOCK_M = 128  # the largest per-expert padding unit grouped.pick_moe_config picks
-# Mirrors of mlac.runtime.engine.scheduler.SchedulerConfig defaults (core does not import the runtime;
+# Mirrors of mlac.runtime.engine.options.SchedulerConfig defaults (core does not import the runtime;
 # tests/core/test_plan.py checks that they agree).
 PREFILL_TOKENS = 2048  # chunked_prefill_size
 PREFILL_SEQUENCES = 64  # max_running_requests: logits rows of a prefill step
@@ -103,6 +102,8 @@ def plan_buckets(
 
 def weight_bytes(tensors: dict[str, TensorEntry]) -> int:
     """Exact bytes of one rank's tensor data (safetensors headers left out)."""
+    from mlac.core.safetensors_io import DTYPES  # torch: here, not at import (the options chain imports plan)
+
     return sum(math.prod(e.shape) * DTYPES[e.dtype].itemsize for e in tensors.values())
 
 

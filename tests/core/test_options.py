@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +17,8 @@ from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.worker.options import RuntimeOptions
+
+ENV = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,37 @@ def test_the_serve_chain_routes_flat_fields_and_validates_each_layer():
 
 
 def test_runtime_dtype_by_name_or_torch_dtype():
-    assert RuntimeOptions(dtype="float32").dtype is torch.float32
+    assert RuntimeOptions(dtype="float32").torch_dtype is torch.float32
+    assert RuntimeOptions(dtype=torch.float32) == RuntimeOptions(dtype="float32")
     assert RuntimeOptions(dtype=torch.bfloat16).dtype_name == "bfloat16"
-    with pytest.raises(MlacError, match="dtype='float9': not a torch dtype"):
+    with pytest.raises(
+        MlacError, match=r"dtype='float9': not a compute dtype \(bfloat16, float16, float32\)"
+    ):
         RuntimeOptions(dtype="float9")
+    with pytest.raises(MlacError, match="dtype=torch.int8: not a compute dtype"):
+        RuntimeOptions(dtype=torch.int8)
+
+
+def test_graphs_on_cuda_devices_in_a_graph_dtype():
+    options = RuntimeOptions(dtype="bfloat16")
+    assert (
+        options.graphs_on("cuda")
+        and options.graphs_on("cuda:1")
+        and options.graphs_on(torch.device("cuda", 0))
+    )
+    assert not options.graphs_on("cpu") and not options.graphs_on(torch.device("cpu"))
+    assert not RuntimeOptions(dtype="float32").graphs_on("cuda")
+    assert not RuntimeOptions(cuda_graph=False).graphs_on("cuda")
+
+
+def test_the_options_chain_is_built_without_torch():
+    """`mlac serve` hands the ServerConfig to the engine's process before its own imports torch
+    (cli/serve.py): building the whole chain must not import it."""
+    code = (
+        "import sys; from pathlib import Path; from mlac.runtime.serve.config import ServerConfig; "
+        "c = ServerConfig.of(artifact=Path('out'), dtype='float32', num_blocks=8, max_running_requests=4); "
+        "import pickle; pickle.dumps(c); "
+        "print(sorted(m for m in ('torch', 'triton', 'fastapi', 'uvicorn', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=ENV)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

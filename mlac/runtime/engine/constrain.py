@@ -24,29 +24,19 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mlac.core.errors import MlacError
+from mlac.runtime.engine.params import KINDS, GrammarKind, GrammarSpec, InvalidGrammar  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from mlac.runtime.engine.tokenizer import Tokenizer
 
-GrammarKind = Literal["json_object", "json_schema", "regex", "lark"]
-KINDS = ("json_object", "json_schema", "regex", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object
 MAX_ERROR_CHARS = 400  # of llguidance's message in a 400
-
-
-class InvalidGrammar(MlacError, ValueError):
-    """A schema or grammar that cannot be compiled; `param` names the request field (a 400)."""
-
-    def __init__(self, message: str, param: str = "response_format"):
-        super().__init__(message)
-        self.param = param
 
 
 class GrammarFailed(MlacError):
@@ -57,22 +47,6 @@ class GrammarFailed(MlacError):
 def _first_line(error: str) -> str:
     """llguidance's error without the state dump that follows its first line."""
     return error.strip().splitlines()[0][:MAX_ERROR_CHARS] if error.strip() else "unknown error"
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a completion must match. `source`: the JSON schema as a JSON string (json_schema),
-    "" (json_object: any JSON object), a regular expression (regex), or a Lark grammar's text (lark)."""
-
-    kind: GrammarKind
-    source: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS or not isinstance(self.source, str):
-            raise InvalidGrammar(
-                f"grammar kind {self.kind!r} with a {type(self.source).__name__} source: "
-                f"the kind must be one of {', '.join(KINDS)}, the source a string"
-            )
 
 
 def llguidance_grammar(spec: GrammarSpec) -> str:

@@ -158,12 +158,12 @@ class Engine:
         the scheduler's limits); `kv_dtype` the KV cache's element type."""
         options = build(EngineOptions, fields, options)
         rt = options.runtime
-        tensors = {k: to_compute_dtype(k, t, rt.dtype).to(rt.device) for k, t in tensors.items()}
+        tensors = {k: to_compute_dtype(k, t, rt.torch_dtype).to(rt.device) for k, t in tensors.items()}
         model = DeepseekModel(config, Weights(tensors, source="tensors"))
         spec = options.scheduler.speculative_num_steps
         check_spec(spec, len(model.mtp) > 0)
         extra = len(model.mtp) if spec else 0
-        cache = make_cache(config, rt.device, rt.dtype, rt.num_blocks, rt.kv_cache_bytes, rt.block_size, kv_dtype,
+        cache = make_cache(config, rt.device, rt.torch_dtype, rt.num_blocks, rt.kv_cache_bytes, rt.block_size, kv_dtype,
                            None, extra)  # fmt: skip
         runner = ModelRunner(model, cache)
         return cls(config, runner, tokenizer, options=options)

@@ -16,7 +16,7 @@ from pathlib import Path
 from mlac.core.artifact import TOKENIZER_DIR
 from mlac.core.errors import MlacError
 from mlac.core.jsonio import load_json
-from mlac.runtime.engine.sampling import InvalidSamplingParams, SamplingParams
+from mlac.runtime.engine.params import InvalidSamplingParams, SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
 OWN_DEFAULTS = ("vllm", "none")

@@ -44,40 +44,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.dp_route import route
+from mlac.runtime.engine.options import SchedulerConfig
 from mlac.runtime.engine.overlap import Overlap, can_overlap, on_by_default
 from mlac.runtime.engine.prompt_logprobs import every_token, score_prompts
 from mlac.runtime.engine.sequence import Sequence, sample_next, shares_past, unique
 from mlac.runtime.engine.spec.decode import SpecDecoder
 from mlac.runtime.step import Step
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of the running batch."""
-
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048  # most prompt tokens run in one step, over all sequences
-    prefix_cache: bool = True  # reuse cached prompt prefixes (radix cache, kvcache/radix.py)
-    speculative_num_steps: int = 0  # MTP draft tokens verified per decode step (spec/decode.py); 0: off
-    # host work of decode step N while the device runs N + 1 (overlap.py). None: on CUDA; True: on
-    # wherever the runner runs here (CPU too: tests); speculation's greedy chain steps have their
-    # own (spec/overlap.py, one rank)
-    overlap: bool | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_running_requests", "chunked_prefill_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise MlacError(f"{name}={value!r}: must be an integer >= 1")
-        k = self.speculative_num_steps
-        if not isinstance(k, int) or k < 0:
-            raise MlacError(f"speculative_num_steps={k!r}: must be an integer >= 0 (0: off)")
-        if not (self.overlap is None or isinstance(self.overlap, bool)):
-            raise MlacError(f"overlap={self.overlap!r}: must be True, False or None (on CUDA)")
 
 
 class Scheduler:

@@ -156,7 +156,8 @@ class EngineClient:
         self._beat = time.monotonic()  # when the last message (a heartbeat at least) came
         self._beat_trouble: str | None = None  # what the last heartbeat said
         self._reader = threading.Thread(target=self._main, name="mlac-engine-client", daemon=True)
-        process.configure(config, log_level, load)
+        if not process.configured:  # `mlac serve` configures it first (cli/serve.py)
+            process.configure(config, log_level, load)
 
     # ---- any thread ----
 

@@ -2,8 +2,8 @@
 
     process = EngineProcess.start(path, launch)  # spawns the child: it spawns the artifact's
                                          # other ranks, then imports torch and mlac meanwhile
-    ...                                  # the server imports FastAPI, checks the artifact and port
-    process.configure(config, "info")    # the child loads the engine (serve/engine_child.py)
+    process.configure(config, "info")    # the child loads the engine (serve/engine_child.py), while
+    ...                                  # the server imports torch and FastAPI, checks the artifact
     ...                                  # messages over process.conn (serve/engine_client.py)
     process.close()
 

@@ -16,7 +16,6 @@ restart it.
 
 from __future__ import annotations
 
-import errno
 import gc
 import logging
 import signal
@@ -41,26 +40,12 @@ from mlac.runtime.serve.engine_start import (  # noqa: F401  (load_engine, start
     startup_line,
 )
 from mlac.runtime.serve.head_limit import HeadLimitedHttpTools
+from mlac.runtime.serve.port import check_port
 
 log = logging.getLogger("mlac.server")
 
 DRAIN_GRACE = 5.0  # seconds after the drain timeout for the error answers to be written
 FORCE_GRACE = 2.0  # seconds after a Ctrl-C while draining for the error answers to be written
-
-
-def check_port(host: str, port: int) -> None:
-    """Refuse, before the model loads, a port that another process listens on (uvicorn binds the
-    same way: SO_REUSEADDR, so a port in TIME_WAIT is not refused)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise MlacError(
-                    f"port {port} is in use (on {host}): stop what holds it or pick another --port"
-                ) from None
-            raise MlacError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 class DrainingServer(uvicorn.Server):

@@ -90,7 +90,7 @@ def build_runner(
     device = torch.device(o.device if device is None else device)
     if o.load_overlap and device.type in ("cpu", "cuda"):
         return _build_while_loading(job, rank, group, device)
-    loaded = load_artifact(job.path, rank=rank, device=device, dtype=o.dtype, verify=o.verify)
+    loaded = load_artifact(job.path, rank=rank, device=device, dtype=o.torch_dtype, verify=o.verify)
     runner = _assemble(job, rank, group, device, loaded.manifest, loaded.tensors)
     runner.startup.update(load_s=loaded.stats.seconds, load_gb=loaded.stats.bytes / 1e9)
     return runner
@@ -102,7 +102,7 @@ def _build_while_loading(
     """build_runner with the load in the background: _assemble on the pending tensors, then join."""
     start = time.perf_counter()
     o = job.options
-    pending = start_load(job.path, rank=rank, device=device, dtype=o.dtype, verify=o.verify)
+    pending = start_load(job.path, rank=rank, device=device, dtype=o.torch_dtype, verify=o.verify)
     try:
         runner = _assemble(job, rank, group, device, pending.manifest, pending.tensors)
     except BaseException:
@@ -136,7 +136,7 @@ def _assemble(
     o = job.options
     kv_dtype, kv_scales = manifest.options.kv_cache_dtype, manifest.quantization.kv_scales
     cache = make_cache(
-        cfg, device, o.dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype, kv_scales,
+        cfg, device, o.torch_dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype, kv_scales,
         o.draft_layers,
     )  # fmt: skip
     startup: dict[str, float] = {}

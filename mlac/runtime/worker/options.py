@@ -1,12 +1,14 @@
 """RuntimeOptions: how a rank runs an artifact (device, dtype, KV cache size, CUDA graphs, ...),
-the innermost layer of the options chain (ServerConfig ⊃ EngineOptions ⊃ RuntimeOptions)."""
+the innermost layer of the options chain (ServerConfig ⊃ EngineOptions ⊃ RuntimeOptions).
+
+Plain data without torch: `mlac serve` builds the chain and hands it to the engine's process before
+its own process imports torch (cli/serve.py), so the engine starts loading sooner."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mlac.core.artifact import Manifest
 from mlac.core.errors import MlacError
@@ -15,15 +17,20 @@ from mlac.core.plan import MAX_BS as MAX_GRAPH_BS
 from mlac.core.plan import decode_buckets
 from mlac.runtime.expect import kv_cache_dtype_of
 from mlac.runtime.model.options import ModelOptions
-from mlac.runtime.worker.kernel_cache import CacheMode
 
-GRAPH_DTYPES = (torch.bfloat16, torch.float16)  # every kernel of the step is a Triton one
+if TYPE_CHECKING:
+    import torch
+
+    from mlac.runtime.worker.kernel_cache import CacheMode
+
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # by torch's names
+GRAPH_DTYPES = ("bfloat16", "float16")  # every kernel of the step is a Triton one
 
 
 @dataclass(frozen=True)
 class RuntimeOptions(Options):
-    """How a rank runs an artifact: on `device` in the compute `dtype` (a torch.dtype, or its name:
-    "bfloat16"), its files checked for size and, with `verify`, sha256; the artifact's kernel
+    """How a rank runs an artifact: on `device` in the compute `dtype` (its name, "bfloat16"; a
+    torch.dtype given is kept by its name; `torch_dtype` is the torch.dtype), its files checked for size and, with `verify`, sha256; the artifact's kernel
     cache of this GPU used (`kernel_cache`, see kernel_cache.use_kernel_cache). The KV cache's
     size (`num_blocks`, else `kv_cache_bytes`, as build.make_cache; on CUDA with neither, the
     memory plan under `gpu_memory_utilization`, see start.plan_kv), the longest context
@@ -36,7 +43,7 @@ class RuntimeOptions(Options):
     options of this layer by name)."""
 
     device: torch.device | str = "cpu"  # the CLI passes check_device(--device): cuda when a GPU is present
-    dtype: torch.dtype = torch.bfloat16
+    dtype: str = "bfloat16"
     verify: bool = True
     kernel_cache: CacheMode = "use"  # "require": refuse to start on a GPU without a cache of its signature
     num_blocks: int | None = None
@@ -56,11 +63,10 @@ class RuntimeOptions(Options):
     model: ModelOptions = field(default_factory=ModelOptions)
 
     def __post_init__(self) -> None:
-        if isinstance(self.dtype, str):  # a name, as the CLI and ServerConfig give it
-            dtype = getattr(torch, self.dtype, None)
-            if not isinstance(dtype, torch.dtype):
-                raise MlacError(f"dtype={self.dtype!r}: not a torch dtype (bfloat16, float32)")
-            object.__setattr__(self, "dtype", dtype)
+        name = str(self.dtype).removeprefix("torch.")  # torch.bfloat16 prints as "torch.bfloat16"
+        if name not in COMPUTE_DTYPES:
+            raise MlacError(f"dtype={self.dtype!r}: not a compute dtype ({', '.join(COMPUTE_DTYPES)})")
+        object.__setattr__(self, "dtype", name)
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise MlacError("give --kv-cache-bytes or --num-blocks, not both")
         if not 1 <= self.cuda_graph_max_bs <= MAX_GRAPH_BS:
@@ -74,11 +80,18 @@ class RuntimeOptions(Options):
     @property
     def dtype_name(self) -> str:
         """The compute dtype as the CLI names it: "bfloat16", "float32"."""
-        return str(self.dtype).removeprefix("torch.")
+        return self.dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch  # here: the options themselves are built before torch is imported (see above)
+
+        return getattr(torch, self.dtype)
 
     def graphs_on(self, device: torch.device | str) -> bool:
-        """Whether decode steps on `device` (this rank's) run as CUDA graphs."""
-        return self.cuda_graph and torch.device(device).type == "cuda" and self.dtype in GRAPH_DTYPES
+        """Whether decode steps on `device` (this rank's: "cuda", "cuda:1", a torch.device) run as CUDA graphs."""
+        on_cuda = str(device).partition(":")[0] == "cuda"
+        return self.cuda_graph and on_cuda and self.dtype in GRAPH_DTYPES
 
     def graph_buckets(self, manifest: Manifest) -> list[int]:
         """The artifact's decode buckets (the buckets pass's, or its default ladder for an

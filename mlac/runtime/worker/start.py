@@ -88,7 +88,9 @@ def kv_bytes_per_token(manifest: Manifest, options: RuntimeOptions) -> int:
     pool (options.draft_layers MTP pools included) in the storage dtype of the artifact's
     kv_cache_dtype under options.dtype (a "bf16" cache stores the compute dtype: 4 bytes in float32)."""
     kv_dtype = manifest.options.kv_cache_dtype
-    return PagedKVCache.bytes_per_block(manifest.model, 1, options.dtype, kv_dtype, options.draft_layers)
+    return PagedKVCache.bytes_per_block(
+        manifest.model, 1, options.torch_dtype, kv_dtype, options.draft_layers
+    )
 
 
 def check_local_ranks(root: Path, manifest: Manifest, world: World) -> None:

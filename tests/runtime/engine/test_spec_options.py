@@ -8,7 +8,7 @@ import pytest
 from _cli import invoke, one_line_error
 
 from mlac.core.errors import MlacError
-from mlac.runtime.engine.spec.decode import DEFAULT_STEPS, num_steps_of
+from mlac.runtime.engine.options import DEFAULT_STEPS, num_steps_of
 
 
 def test_num_steps_of_the_flags():

@@ -63,9 +63,6 @@ from mlac.runtime.worker.spec_exec import to_host
 if TYPE_CHECKING:
     from mlac.runtime.engine.overlap import SchedulerView
 
-ALGORITHMS = ("nextn", "mtp")  # SGLang's name, and its alias
-DEFAULT_STEPS = 3  # --speculative-algorithm without --speculative-num-steps (SGLang's DeepSeek setting)
-
 
 @dataclass
 class Draft:
@@ -93,18 +90,6 @@ class SpecStats:
     def accept_length(self) -> float:
         """Mean tokens emitted per sequence per verify step (1.0 = no gain)."""
         return self.emitted / self.verifies if self.verifies else 0.0
-
-
-def num_steps_of(algorithm: str | None, num_steps: int | None) -> int:
-    """The draft tokens per step that `--speculative-algorithm` and `--speculative-num-steps` ask
-    for (SGLang's flags): 0 (off) without either; DEFAULT_STEPS with the algorithm alone."""
-    if algorithm is not None and algorithm.lower() not in ALGORITHMS:
-        raise MlacError(
-            f"--speculative-algorithm {algorithm!r}: mlac speculates with {' or '.join(ALGORITHMS)}"
-        )
-    if num_steps is None:
-        return DEFAULT_STEPS if algorithm is not None else 0
-    return num_steps
 
 
 def check_spec(num_steps: int, has_mtp: bool, dp_attention: bool = False) -> None:
