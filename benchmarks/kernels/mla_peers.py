@@ -184,50 +184,67 @@ def flashinfer_version() -> str | None:
     return flashinfer.__version__
 
 
+BUILT = "mla_peers build: "  # the marker of a build child's record in its log
+
+
 def build_peer(backend: str, page: int) -> None:
     """Child process: JIT-build (and load) FlashInfer's MLA module of `backend` through one tiny
-    plan and run; one JSON line on stdout: {"backend", "resolved", "seconds", "error"}."""
-    t0, resolved, error = time.monotonic(), backend, None
+    plan and run; its last line on stdout is BUILT + JSON {"backend", "resolved", "seconds", "error"}
+    (seconds: the plan that compiles and loads, and the run)."""
+    t0, resolved, error = None, backend, None
     try:
         inp = decode_inputs([page + 1], 16, page, 4 * page, DEV)
-        peer = Peer(backend, inp, page, torch.empty(WORKSPACE, dtype=torch.uint8, device=DEV))
+        workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=DEV)
+        t0 = time.monotonic()
+        peer = Peer(backend, inp, page, workspace)
         resolved = peer.backend
         peer()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+        lines = str(e).strip().splitlines() or [""]
+        error = f"{type(e).__name__}: {lines[-1][:300]}"  # a compile error's last line; the log has it all
         import traceback
 
-        traceback.print_exc()  # into the build log
-    print(
-        json.dumps(
-            dict(backend=backend, resolved=resolved, seconds=round(time.monotonic() - t0, 1), error=error)
-        )
-    )
+        traceback.print_exc()
+    seconds = None if t0 is None else round(time.monotonic() - t0, 1)
+    rec = dict(backend=backend, resolved=resolved, seconds=seconds, error=error)
+    print(BUILT + json.dumps(rec), flush=True)
 
 
 def start_builds(backends, page: int, log: Path) -> dict:
-    """One child per backend building in parallel (their output in `log`): {backend: Popen}."""
-    script = str(Path(__file__).resolve())
-    with open(log, "w") as f:
-        return {b: subprocess.Popen([sys.executable, script, "--build-peer", b, "--page", str(page)],
-                                    stdout=subprocess.PIPE, stderr=f, text=True) for b in backends}  # fmt: skip
+    """One child per backend, building in parallel, each writing to its own log (`log` with the
+    backend's name added): {backend: (Popen, its log path)}."""
+    script, children = str(Path(__file__).resolve()), {}
+    for b in backends:
+        path = log.with_name(f"{log.stem}_{b}{log.suffix}")
+        with open(path, "w") as f:  # the child keeps its own descriptor of it
+            cmd = [sys.executable, script, "--build-peer", b, "--page", str(page)]
+            children[b] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), path)
+    return children
 
 
 def finish_builds(children: dict, deadline: float) -> dict:
-    """{backend: the child's JSON record}, waiting until `deadline` (time.monotonic()) at most."""
+    """{backend: the child's record}, waiting until `deadline` (time.monotonic()) at most; one line
+    printed per backend: built in how many seconds, or why not."""
     builds = {}
-    for backend, child in children.items():
+    for backend, (child, path) in children.items():
         try:
-            out, _ = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            rec = json.loads(lines[-1]) if lines else dict(error=f"build exited {child.returncode}")
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
+            recs = [
+                ln[len(BUILT) :]
+                for ln in path.read_text(errors="replace").splitlines()
+                if ln.startswith(BUILT)
+            ]
+            rec = (
+                json.loads(recs[-1])
+                if recs
+                else dict(error=f"the build exited {child.returncode}: see {path}")
+            )
         except subprocess.TimeoutExpired:
             child.kill()
-            rec = dict(error="build ran past the time budget")
-        builds[backend] = {"backend": backend, "resolved": backend, "seconds": None, **rec}
-        r = builds[backend]
-        state = f"failed: {r['error']}" if r["error"] else f"built in {r['seconds']} s"
+            rec = dict(error="the build ran past its time budget")
+        r = builds[backend] = {"backend": backend, "resolved": backend, "seconds": None, **rec}
+        state = f"failed: {r['error'][:160]}" if r["error"] else f"built and loaded in {r['seconds']} s"
         print(f"flashinfer {backend} ({r['resolved']}) JIT {state}", flush=True)
     return builds
 
@@ -283,7 +300,7 @@ def time_row(shape, heads, b, ctx, page, max_context, bw, peers, workspace) -> d
     floor_us = call_bytes(b, heads, ctx) / (bw * 1e3)
     row = dict(kernel="mla_decode bf16", shape=shape, heads=heads, batch=b, context=ctx, splits=splits,
                mlac_us=round(graph_us([merged]), 2), mlac_unmerged_us=unmerged and round(graph_us([unmerged]), 2),
-               peer=None, peer_us=None, ratio=None, peers={}, max_diff=None)  # fmt: skip
+               peer=None, peer_us=None, ratio=None, peer_fraction_of_ceiling=None, peers={}, max_diff=None)  # fmt: skip
     row["mlac_fraction_of_ceiling"] = round(floor_us / row["mlac_us"], 3)
     o = merged()
     for i, backend in enumerate(peers):
@@ -332,7 +349,9 @@ def main() -> None:
     ap.add_argument(
         "--build-timeout-s", type=float, default=300.0, help="give FlashInfer's JIT build up to this"
     )
-    ap.add_argument("--build-log", type=Path, default=Path("/tmp/mla_peers_build.log"))
+    ap.add_argument(
+        "--build-log", type=Path, default=Path("/tmp/flashinfer_build.log"), help="one per backend"
+    )
     ap.add_argument("--build-peer", help=argparse.SUPPRESS)  # child mode: build one backend
     args = ap.parse_args()
     if args.build_peer:

@@ -11,7 +11,7 @@
 # The whole call stays under 540 s: the rows get BUDGET_S (360) from the script's start, FlashInfer's build
 # at most 300 of them, and `timeout` stops the script at 480 s (the JSON is written after every row).
 # Env: BUDGET_S, ARGS (more mla_peers.py flags: --batches 1,32 --contexts 4096 ...).
-# OUT_DIR: mla_peers.json, flashinfer_build.log (the JIT build's own output), log.txt.
+# OUT_DIR: mla_peers.json, flashinfer_build_{auto,fa2}.log (each JIT build's own output), log.txt.
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/kernels/mla_peers.sh OUT_DIR}
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
