@@ -13,7 +13,10 @@ latent cache, out o_lat [B, H, C]. Shapes: V2-Lite (16 heads) and V3 (128 heads,
               table as wide as a CUDA graph's (--max-context tokens), the split count that
               decode_num_splits gives for that width; `mlac_us` includes the split-KV merge
               (the output FlashInfer gives), `mlac_unmerged_us` is the launch alone where
-              decode_absorbed leaves the merge to head_bmm (splits <= FUSED_MERGE_MAX_SPLITS)
+              decode_absorbed leaves the merge to head_bmm (splits <= FUSED_MERGE_MAX_SPLITS).
+              HAZARD: at the runtime's 16-token pages a 32-token KV tile spans two pages, so the
+              kernel looks a block up per token; --page 64 gives the one-lookup-per-tile path
+              that attention.py and mla_rows.py measure
   flashinfer  BatchMLAPagedAttentionWrapper on the same bytes: ckv and kpe are views of mlac's pool
               (strided, as SGLang's flashinfer MLA backend passes its buffer), kv_indices each
               sequence's used block-table entries (`flashinfer_pages`); backend "auto" (what
