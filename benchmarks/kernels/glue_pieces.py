@@ -35,7 +35,7 @@ from mlac.core.config import ModelConfig
 from mlac.core.fp8 import BLOCK
 from mlac.kernels.activation import silu_mul, silu_mul_quant, silu_mul_quant_ref, silu_mul_ref
 from mlac.kernels.attention.mla_prep import mla_prep
-from mlac.kernels.fp8_quant import HAS_TRITON, Fp8Act, act_quant, use_triton
+from mlac.kernels.fp8_quant import HAS_TRITON, act_quant, use_triton
 from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 from mlac.kernels.norm_rope import rms_norm, rms_norm_quant, rms_norm_quant_ref, rms_norm_ref
 from mlac.runtime.engine.sampling import SamplingParams, apply_top_k, apply_top_p, sample
@@ -120,10 +120,6 @@ def _norm_weight(d: int, dev: torch.device) -> torch.Tensor:
 def dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """e4m3 [M, K] and its per-128-channel scales [M, ceil(K/128)] -> float32 [M, K]."""
     return q.float() * scale.repeat_interleave(BLOCK, dim=-1)[:, : q.shape[1]]
-
-
-def _act_out(a: Fp8Act) -> list[torch.Tensor]:
-    return [dequant(a.q, a.scale)] + ([a.x.float()] if a.x is not None else [])
 
 
 # ---- norms ------------------------------------------------------------------------------------

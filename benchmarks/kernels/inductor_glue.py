@@ -5,25 +5,31 @@
 
 For each piece of glue (glue_pieces.py: RMSNorm with the residual add, alone and with the fused FP8
 quantization; the latent q_norm; rope's cos/sin and mla_prep; FP8 activation quantization; SiLU-mul
-alone and quantized; greedy and temperature/top-k/top-p sampling) at V2-Lite's and V3's shapes
-(bf16 activations), at 1 and 256 tokens:
+alone and quantized; greedy and temperature/top-k/top-p sampling; the embedding lookup and the
+logits' cast into the graphs' buffer) at V2-Lite's and V3's shapes (bf16 activations), at 1 and 256
+tokens:
 
   mlac       the piece as the decode step runs it: its Triton kernel through its wrapper, or the
              plain eager ops where the model has no kernel (cos/sin, the sampler)
   inductor   torch.compile of the piece's pure-torch reference (fullgraph=True, dynamic=False), in
              mode "default" and "max-autotune-no-cudagraphs", compiled by its first call (timed:
-             compile_s) in an empty Inductor cache (a temporary folder unless --cache-dir)
+             compile_s) in an empty Inductor cache (a temporary folder unless --cache-dir), after
+             one throwaway compile that pays Inductor's start (imports, compile workers)
 
 Both are timed as CUDA-graph replays (timing.graph_us) after the compiled outputs are checked
 against mlac's (max_error: the largest difference relative to the largest value of each output,
 FP8 dequantized; for ids the fraction of rows that differ; `ok`: within the piece's tolerance). A
 row gives microseconds, the ratio mlac over inductor (> 1: Inductor is faster), the fraction of the
 bandwidth ceiling (bytes the piece must read and write over the device-copy bandwidth measured in
-this run) and compile seconds. The sampler runs outside the graphs today: `sampling.sample` itself
-is also timed eagerly (eager_us), with its per-row host parameters and torch.multinomial per row.
+this run; the inputs stay in L2 between replays, as a step's glue finds what the kernel before it
+wrote: a fraction above 1 is L2) and compile seconds. The sampler runs outside the graphs today:
+`sampling.sample` itself is also timed eagerly (eager_us), with its per-row host parameters and
+torch.multinomial row by row (a host sync each).
 
 Time is bounded: every piece compiles in mode default first; max-autotune (which benchmarks kernel
-configs as it compiles) follows, 256 tokens first, while --budget-s allows; a row says what it skipped.
+configs as it compiles) follows where it could change the verdict first (the rows whose default
+came closest to mlac or beat it, then the largest batches), while --budget-s allows; a row skipped
+says so. Rerun those alone: --modes max-autotune-no-cudagraphs --pieces ... --batches ...
 """
 
 from __future__ import annotations
@@ -88,6 +94,16 @@ def compile_ref(case: gp.Case, args: tuple, mode: str, backend: str, dev: torch.
     out = fn(*args)
     sync(dev)
     return fn, out, time.perf_counter() - start
+
+
+def warm_inductor(dev: torch.device) -> float:
+    """Seconds of one throwaway compile: Inductor's one-time start, kept out of every piece's compile_s."""
+    x = torch.ones(8, device=dev)
+    start = time.perf_counter()
+    torch.compile(lambda a: a * 2 + 1, fullgraph=True, dynamic=False)(x)
+    sync(dev)
+    torch._dynamo.reset()
+    return round(time.perf_counter() - start, 2)
 
 
 def failed(e: Exception) -> dict:
@@ -216,6 +232,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     for key in ("device", "torch", "triton", "cuda", "copy_gb_per_s", "command"):
         print(f"{key}: {record[key]}", flush=True)
     configs = gp.model_configs(args.smoke)
+    if args.backend == "inductor":
+        record["inductor_start_s"] = warm_inductor(dev)
     rows, wants = first_pass(args, configs, dev, bw, budget)
     for mode in args.modes[1:]:
         later_pass(rows, wants, mode, args, configs, dev, bw, budget)

@@ -67,3 +67,12 @@ def test_inductor_compiles_every_piece_on_cpu(ig, tmp_path):
         compiled = row["inductor"]["default"]
         assert compiled.get("ok"), (row["piece"], compiled)
         assert compiled["compile_s"] > 0
+
+
+def test_no_compile_starts_past_the_budget(ig, tmp_path):
+    """--budget-s 0: every row keeps mlac's time and says its compile was skipped, and why."""
+    record = smoke(
+        ig, tmp_path, "--backend", "aot_eager", "--budget-s", "0", "--pieces", "greedy", "--batches", "1"
+    )
+    assert [r["mlac_us"] > 0 for r in record["rows"]] == [True, True]
+    assert all("budget" in r["inductor"]["default"]["skipped"] for r in record["rows"])
