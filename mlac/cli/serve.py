@@ -129,11 +129,11 @@ def serve(out_dir, nnodes, node_rank, master_addr, master_port, log_level, engin
 def check_stated(out_dir, flags: dict) -> None:
     """--tensor-parallel-size, --kv-cache-dtype and --dp-attention against the artifact's manifest,
     when any is given: refused here, before any process starts (runtime/expect.py)."""
-    from mlac.core.artifact import Manifest
-    from mlac.runtime.expect import check_expected
-
     stated = option_fields({k: flags[k] for k in ("tensor_parallel_size", "kv_cache_dtype", "dp_attention")})
-    if any(v is not None for v in stated.values()):
+    if any(v is not None for v in stated.values()):  # else nothing is imported: the engine's process starts next
+        from mlac.core.artifact import Manifest  # (pydantic: a tenth of a second, more on a GPU host)
+        from mlac.runtime.expect import check_expected
+
         check_expected(Manifest.load(out_dir), **stated)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "triton", "fastapi", "uvicorn")
+EARLY = (*HEAVY, "pydantic", "mlac.core.artifact")  # none of it before the engine's process is started
 
 # The CLI in a fresh interpreter with a stand-in engine process that reports what was imported
 # when it was configured, then ends the command.
@@ -27,6 +28,7 @@ class Recorder:
 
     @classmethod
     def start(cls, artifact, launch):
+        print("started", sorted(m for m in {early!r} if m in sys.modules), flush=True)
         return cls()
 
     def configure(self, config, log_level, load=None):
@@ -46,7 +48,7 @@ main()
 
 def run_serve(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code = DRIVER.format(heavy=HEAVY)
+    code = DRIVER.format(heavy=HEAVY, early=EARLY)
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
     )
@@ -62,7 +64,16 @@ def test_the_engine_is_configured_before_torch_and_the_http_stack_are_imported(a
     port = free_port()
     out = run_serve(str(artifact("tiny-v3")), "--device", "cpu", "--port", str(port))
     assert out.returncode == 3, out.stdout + out.stderr
-    assert out.stdout.strip() == f"configured {port} []", out.stdout + out.stderr
+    assert out.stdout.strip().splitlines() == ["started []", f"configured {port} []"], out.stdout + out.stderr
+
+
+def test_the_engine_process_starts_before_the_manifest_is_read(artifact):
+    """Reading the manifest imports pydantic (a tenth of a second here, more on a GPU host): the
+    engine's process is spawned first, unless a stated flag must be checked against it."""
+    out = run_serve(str(artifact("tiny-v3")), "--device", "cpu", "--port", str(free_port()))
+    assert out.stdout.splitlines()[0] == "started []", out.stdout + out.stderr
+    out = run_serve(str(artifact("tiny-v3")), "--device", "cpu", "--port", str(free_port()), "-tp", "1")
+    assert out.stdout.splitlines()[0] == "started ['mlac.core.artifact', 'pydantic']", out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("case", ["busy port", "generation config"])
