@@ -130,7 +130,9 @@ def check_stated(out_dir, flags: dict) -> None:
     """--tensor-parallel-size, --kv-cache-dtype and --dp-attention against the artifact's manifest,
     when any is given: refused here, before any process starts (runtime/expect.py)."""
     stated = option_fields({k: flags[k] for k in ("tensor_parallel_size", "kv_cache_dtype", "dp_attention")})
-    if any(v is not None for v in stated.values()):  # else nothing is imported: the engine's process starts next
+    if any(
+        v is not None for v in stated.values()
+    ):  # else nothing is imported: the engine's process starts next
         from mlac.core.artifact import Manifest  # (pydantic: a tenth of a second, more on a GPU host)
         from mlac.runtime.expect import check_expected
 
@@ -139,9 +141,8 @@ def check_stated(out_dir, flags: dict) -> None:
 
 def configure_early(process, config, log_level: str) -> None:
     """What launch.serve refuses before the model loads, refused here too (none of it imports
-    torch); then the engine's process gets its config and loads while this process imports torch
-    and the HTTP stack. On a GPU host the two imports ran side by side before, and the engine waited
-    for the slower: about a second of start-up (benchmarks/results/startup_v2-lite-4layer_h100.json)."""
+    torch); then the engine's process gets its config and loads while this process imports the HTTP
+    stack (and torch). Start to ready: benchmarks/e2e/startup_ab.sh."""
     from mlac.core.artifact import Manifest
     from mlac.runtime.engine.generation_config import sampling_defaults
     from mlac.runtime.serve.port import check_port
