@@ -5,22 +5,15 @@ piece that is off is reported as a mismatch."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
-from _paths import REPO
+from _paths import REPO, load_script
 
 BENCH = REPO / "benchmarks" / "kernels"
 
 
 @pytest.fixture(scope="module")
 def ig():
-    spec = importlib.util.spec_from_file_location("inductor_glue", BENCH / "inductor_glue.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH / "inductor_glue.py")
 
 
 def smoke(ig, tmp_path, *extra: str) -> dict:

@@ -4,22 +4,15 @@ CPU, the tiny artifact served from this tree twice."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
-from _paths import REPO
+from _paths import REPO, load_script
 
 
 @pytest.fixture(scope="module")
 def sr():
-    path = REPO / "benchmarks" / "e2e" / "start_ready.py"
-    spec = importlib.util.spec_from_file_location("start_ready", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "benchmarks" / "e2e" / "start_ready.py")
 
 
 def test_two_trees_in_turns_with_the_servers_phases(sr, artifact, tmp_path):
