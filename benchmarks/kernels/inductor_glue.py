@@ -111,6 +111,7 @@ def summary(rows: list[dict]) -> None:
 
 def write_json(path: Path, record: dict) -> None:
     """Atomically: a reader (or a run cut off mid-write) sees the old record or the new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
