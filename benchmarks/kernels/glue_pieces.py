@@ -38,7 +38,8 @@ from mlac.kernels.attention.mla_prep import mla_prep
 from mlac.kernels.fp8_quant import HAS_TRITON, act_quant, use_triton
 from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 from mlac.kernels.norm_rope import rms_norm, rms_norm_quant, rms_norm_quant_ref, rms_norm_ref
-from mlac.runtime.engine.sampling import SamplingParams, apply_top_k, apply_top_p, sample
+from mlac.runtime.engine.params import SamplingParams
+from mlac.runtime.engine.sampling import apply_top_k, apply_top_p, sample
 from mlac.runtime.model.layers import RotaryEmbedding, Weights, apply_rope
 from mlac.runtime.model.model import LATENT_NORM_EPS
 from mlac.runtime.model.parallel import SINGLE, VocabParallelEmbedding

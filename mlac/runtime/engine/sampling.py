@@ -17,13 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlac.runtime.engine.params import (  # noqa: F401  (SamplingParams and the limits: re-exported)
-    GREEDY_BELOW,
-    MAX_LOGPROBS,
-    TOP_K_MAX,
-    InvalidSamplingParams,
-    SamplingParams,
-)
+from mlac.runtime.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from mlac.core.errors import MlacError
 from mlac.kernels._triton import tl, triton
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.step import Step
