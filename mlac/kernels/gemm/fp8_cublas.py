@@ -53,7 +53,7 @@ MIN_CUDA = (12, 9)  # cuBLASLt's VEC128_32F / BLK128x128_32F scale modes
 def cublas_takes(m: int, n: int, k: int) -> bool:
     """Whether an FP8 product of m rows with a weight [n, k] runs through cuBLAS, where cuBLAS
     block scaling is available: the shape it takes (k % 512, n % 16) and the measured rule above."""
-    if m < CUBLAS_MIN_ROWS or k % K_MULTIPLE or n % N_MULTIPLE:
+    if m < CUBLAS_MIN_ROWS or k == 0 or k % K_MULTIPLE or n % N_MULTIPLE:
         return False
     return m > DECODE_TILE_ROWS or n >= k
 
