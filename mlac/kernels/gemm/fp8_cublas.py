@@ -50,10 +50,15 @@ MIN_TORCH = (2, 11)  # block scaling chosen by scale layout in torch._scaled_mm 
 MIN_CUDA = (12, 9)  # cuBLASLt's VEC128_32F / BLK128x128_32F scale modes
 
 
+def cublas_shape(n: int, k: int) -> bool:
+    """Whether cuBLAS's block scaling takes a weight [n, k] as stored: K a multiple of 512, N of 16."""
+    return k > 0 and k % K_MULTIPLE == 0 and n % N_MULTIPLE == 0
+
+
 def cublas_takes(m: int, n: int, k: int) -> bool:
     """Whether an FP8 product of m rows with a weight [n, k] runs through cuBLAS, where cuBLAS
-    block scaling is available: the shape it takes (k % 512, n % 16) and the measured rule above."""
-    if m < CUBLAS_MIN_ROWS or k == 0 or k % K_MULTIPLE or n % N_MULTIPLE:
+    block scaling is available: a shape it takes (cublas_shape) and the measured rule above."""
+    if m < CUBLAS_MIN_ROWS or not cublas_shape(n, k):
         return False
     return m > DECODE_TILE_ROWS or n >= k
 
