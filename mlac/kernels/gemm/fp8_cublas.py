@@ -41,7 +41,8 @@ from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 # - 32 rows: 1.05-1.21 where N >= K (V2-Lite q_proj 1.08, o_proj 1.05, w13 1.21; V3 q_b 1.12, w13
 #   1.19), 0.92-0.97 where N < K (V3 qkv_a 0.97, o_proj 0.95, w2 0.92: mlac's decode tiles split
 #   K over the SMs there): cuBLAS where N >= K, up to the 64 rows of those decode tiles;
-# - 1 row: mlac faster at 8 of 9 shapes (and cuBLAS has no block scaling below 4 rows): Triton.
+# - 1 row: mlac faster at 8 of 9 shapes than cuBLAS's rowwise scaling (its block scaling took no
+#   1-row call there: a 1-float leading dimension of the M-major scales): Triton.
 CUBLAS_MIN_ROWS = 32
 DECODE_TILE_ROWS = 64  # fp8_gemm.gemm_config_for: split-K decode tiles up to here
 K_MULTIPLE = 4 * BLOCK  # whole 128-blocks, 4 per 16 bytes of a weight-scale row (the HAZARD above)
