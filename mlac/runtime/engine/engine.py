@@ -314,6 +314,7 @@ class Engine:
             fp8_linears=tuple(sorted((n, k) for n, k, dtype in linears if dtype == FP8)),
             dense_linears=tuple(sorted((n, k) for n, k, dtype in linears if dtype in DENSE_DTYPES)),
             moe=None if moe is None else self._moe_shape(moe),
+            fp8_cublas=any(m.cublas for m in mods),
         )
         return warmup_token_counts(shapes, max_tokens)
 

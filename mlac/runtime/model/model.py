@@ -45,7 +45,16 @@ from mlac.runtime.model.attention import (
     prefer_shared,
 )
 from mlac.runtime.model.dp_attention import TokenExchange
-from mlac.runtime.model.layers import Linear, Reads, RMSNorm, RotaryEmbedding, Weights, reads_of, take_weight
+from mlac.runtime.model.layers import (
+    Linear,
+    Reads,
+    RMSNorm,
+    RotaryEmbedding,
+    Weights,
+    reads_of,
+    route_fp8_linears,
+    take_weight,
+)
 from mlac.runtime.model.options import DEFAULTS, ModelOptions
 from mlac.runtime.model.parallel import (
     SINGLE,
@@ -389,6 +398,7 @@ class DeepseekModel(nn.Module):
             MTPLayer(config, weights, k, (self.embed, self.head), ctx, options) for k in range(n_mtp)
         )
         weights.finish()
+        route_fp8_linears(self, options.fp8_cublas, self.device, self.dtype)
 
     @property
     def device(self) -> torch.device:
