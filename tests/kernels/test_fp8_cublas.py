@@ -50,6 +50,13 @@ def emulated_scaled_mm(
 
 
 @pytest.fixture
+def small_weights(monkeypatch) -> None:
+    """The tests' tiny weights take the cuBLAS route as a large model's do (fp8_cublas.CUBLAS_MIN_WEIGHT
+    off): the rows and the layouts decide, as for V3's linears."""
+    monkeypatch.setattr(fp8_cublas, "CUBLAS_MIN_WEIGHT", 0)
+
+
+@pytest.fixture
 def emulated(monkeypatch) -> list[tuple[int, int, int]]:
     """torch._scaled_mm emulated (on CPU tensors: the CPU has none); the list of (M, N, K) of
     every call."""
@@ -77,12 +84,12 @@ def spread_case(m: int, n: int, k: int, seed: int, device=DEV):
 
 # ---- the rule and the availability ---------------------------------------------------------------
 
-# (M, N, K, cuBLAS takes it): the measured rule, V2-Lite's and V3's shapes (TP 1) at 32, 64, 65, 256 rows
+# (M, N, K, cuBLAS takes it): the measured rules (rows, the weight's size), V2-Lite's and V3's shapes (TP 1) at 32, 64, 65, 256 rows
 RULE_CASES = [
     (31, 3072, 2048, False),  # below 32 rows
-    (32, 3072, 2048, True),  # V2-Lite q_proj: N >= K
-    (32, 2048, 2048, True),  # V2-Lite o_proj: N == K
-    (32, 21888, 2048, True),  # V2-Lite dense w13
+    (32, 3072, 2048, False),  # V2-Lite q_proj: N >= K, but 6.3M weights (end to end: slower)
+    (256, 2048, 2048, False),  # V2-Lite o_proj: 4.2M weights, at any rows
+    (32, 21888, 2048, True),  # V2-Lite dense w13: 44.8M weights, N >= K
     (32, 24576, 1536, True),  # V3 q_b
     (32, 2112, 7168, False),  # V3 qkv_a: N < K, the decode tiles split K
     (64, 7168, 16384, False),  # V3 o_proj, up to the decode tiles' 64 rows

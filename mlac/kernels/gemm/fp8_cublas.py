@@ -43,7 +43,15 @@ from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 #   K over the SMs there): cuBLAS where N >= K, up to the 64 rows of those decode tiles;
 # - 1 row: mlac faster at 8 of 9 shapes than cuBLAS's rowwise scaling (its block scaling took no
 #   1-row call there: a 1-float leading dimension of the M-major scales): Triton.
+# End to end (mlac bench, one H100, the same call; benchmarks/results/bench_fp8_cublas_ab_h100.json),
+# that rule alone cost V2-Lite FP8 decode 2.2% at batch 32 and 3.4% at 256 (27 layers; 11% at 256 with
+# 4 layers) and gained V3-shaped FP8 1.1% and 2.1%: each cuBLAS call adds launches (the relayout of a
+# producer's scales, m_major_operands: 18 more elementwise kernels per 4-layer step) and leaves the PDL
+# chain of the Triton kernels around it, which V2-Lite's small products (<= 6.3M weights, ~15 us) do not
+# win back. So a weight takes cuBLAS only from CUBLAS_MIN_WEIGHT elements: all of V3's linears (qkv_a
+# 15.1M and up), of V2-Lite's only the first layer's dense w13 (44.8M).
 CUBLAS_MIN_ROWS = 32
+CUBLAS_MIN_WEIGHT = 8 << 20  # N * K elements
 DECODE_TILE_ROWS = 64  # fp8_gemm.gemm_config_for: split-K decode tiles up to here
 K_MULTIPLE = 4 * BLOCK  # whole 128-blocks, 4 per 16 bytes of a weight-scale row (the HAZARD above)
 N_MULTIPLE = 16  # torch._scaled_mm's own requirement on b's dimensions
@@ -58,8 +66,9 @@ def cublas_shape(n: int, k: int) -> bool:
 
 def cublas_takes(m: int, n: int, k: int) -> bool:
     """Whether an FP8 product of m rows with a weight [n, k] runs through cuBLAS, where cuBLAS
-    block scaling is available: a shape it takes (cublas_shape) and the measured rule above."""
-    if m < CUBLAS_MIN_ROWS or not cublas_shape(n, k):
+    block scaling is available: a shape it takes (cublas_shape) and the measured rules above (rows,
+    then the weight's size)."""
+    if m < CUBLAS_MIN_ROWS or n * k < CUBLAS_MIN_WEIGHT or not cublas_shape(n, k):
         return False
     return m > DECODE_TILE_ROWS or n >= k
 

@@ -21,7 +21,7 @@ import json
 
 import pytest
 import torch
-from test_fp8_cublas import emulated  # noqa: F401  (a fixture)
+from test_fp8_cublas import emulated, small_weights  # noqa: F401  (fixtures)
 
 import mlac.runtime.model.layers as layers
 from mlac.compiler.pipeline import compile_checkpoint
@@ -59,7 +59,7 @@ def fp8_linears(engine: Engine) -> list[Linear]:
 
 
 @pytest.fixture
-def routed(monkeypatch) -> list[tuple[int, bool]]:
+def routed(small_weights, monkeypatch) -> list[tuple[int, bool]]:  # noqa: F811
     """(rows, reads an Fp8Act) of every call of the cuBLAS route (eager calls, and captures)."""
     calls: list[tuple[int, bool]] = []
     real = layers.cublas_fp8_linear

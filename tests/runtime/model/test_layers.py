@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from _hf_convert import raw_config
-from test_fp8_cublas import emulated  # noqa: F401  (a fixture)
+from test_fp8_cublas import emulated, small_weights  # noqa: F401  (fixtures)
 
 from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
@@ -132,7 +132,7 @@ def test_weights_are_taken_exactly_once():
 
 
 @pytest.fixture
-def cublas_calls(emulated, monkeypatch) -> list[tuple[int, bool]]:  # noqa: F811
+def cublas_calls(emulated, small_weights, monkeypatch) -> list[tuple[int, bool]]:  # noqa: F811
     """layers.cublas_fp8_linear spied ((rows, reads an Fp8Act) of each call), torch._scaled_mm
     emulated on the CPU (test_fp8_cublas.emulated)."""
     calls: list[tuple[int, bool]] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fp8_cublas import small_weights  # noqa: F401  (a fixture)
 from test_fp8_cublas_model import wide_fp8  # noqa: F401  (a fixture)
 
 from mlac.core.errors import MlacError
@@ -312,7 +313,7 @@ def test_cuda_graph_pieces_give_the_tokens_of_the_same_pieces_run_eagerly(artifa
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_through_cublas_give_the_tokens_of_the_same_steps_run_eagerly(wide_fp8):  # noqa: F811
+def test_cuda_graphs_through_cublas_give_the_tokens_of_the_same_steps_run_eagerly(wide_fp8, small_weights):  # noqa: F811
     """An FP8 model whose linears take cuBLAS's block-scaled GEMM from 32 rows (ModelOptions.fp8_cublas,
     fp8_cublas.cublas_takes): the buckets of 32, 48 and 64 rows capture cuBLAS calls, and their
     replays give exactly the greedy tokens of the same padded steps run eagerly (cuBLAS both ways:
