@@ -446,3 +446,9 @@ class DeepseekModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] float32 (the whole vocabulary, all-gathered on every rank)."""
         return self.head(hidden).float()
+
+    def logits_into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
+        """logits(hidden) written into `out` [N, V] float32 (a CUDA graph's buffer): the head's output
+        cast in the copy, one pass, where .float() then copy_ made a float32 temporary (measured on
+        one H100 at 256 rows: 157 against 61 us for V2-Lite's vocabulary)."""
+        out.copy_(self.head(hidden))

@@ -316,7 +316,7 @@ class DecodeGraphs:
     def _step(self, bs: int, grouped: bool = False) -> None:
         ids, batch = self.inputs.batch(bs, grouped)
         hidden = self.model(ids, batch, self.cache)
-        self.logits[:bs].copy_(self.model.logits(hidden))
+        self.model.logits_into(hidden, self.logits[:bs])
         if self.hidden is not None:
             self.hidden[:bs].copy_(hidden)
 
