@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.engine.params import SamplingParams
 
 
@@ -58,14 +59,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(~keep, float("-inf"))
-
-
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A short host list as a [N] tensor on `device` without waiting for the device: on CUDA through
-    pinned memory, non-blocking (a plain torch.tensor(..., device=cuda) waits for every queued kernel,
-    which would stall the overlap scheduler's sampling behind the step it just launched)."""
-    x = torch.tensor(list(values), dtype=dtype)
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 TOP_K_CANDIDATES = 1024  # top-k by torch.topk up to this k (and top-p among its candidates); a sort above

@@ -138,7 +138,7 @@ def test_seeded_sampling_is_that_without_overlap(engine, steady, fed):
 
 def test_on_for_multi_rank_unless_disabled(engine, fed):
     """--disable-overlap-schedule (overlap=False) turns it off for multi-rank too; CPU default off;
-    DP attention keeps it off."""
+    DP attention overlaps too (test_overlap_dp.py)."""
     assert isinstance(engine.runner, DistributedRunner) and can_overlap(engine.runner)
     assert engine.scheduler(SchedulerConfig(overlap=True)).overlap is not None
     assert engine.scheduler(SchedulerConfig(overlap=False)).overlap is None
@@ -149,7 +149,7 @@ def test_on_for_multi_rank_unless_disabled(engine, fed):
 
         def run_decode(self, step, ids=None): ...
 
-    assert not can_overlap(DPRank0())
+    assert can_overlap(DPRank0())
     engine.generate(prompts(2)[1], max_tokens=6, ignore_eos=True)  # the default: no fed step
     assert not fed
 

@@ -60,7 +60,7 @@ def run(engine: Engine, reqs, overlap: bool, arrive=None, abort=None, **config):
     sched.abort_all()
     counts = sched.check_blocks()
     assert counts["in_use"] == 0 and not sched.in_flight
-    assert counts["free"] + counts["cached"] == engine.cache.num_blocks
+    assert counts["free"] + counts["cached"] == sum(p.allocator.num_blocks for p in engine.runner.kv_pools)
     return [(s.output_ids, s.finish_reason, s.text(), s.logprobs) for s in seqs]
 
 
@@ -172,23 +172,20 @@ def test_preemption_under_a_small_pool_gives_the_same_tokens(artifact, monkeypat
     assert all(s.num_preemptions > 0 for s in preempted)
 
 
-def test_off_by_default_on_cpu_under_speculation_and_dp_attention(engine, artifact):
+def test_off_by_default_on_cpu_and_under_speculation(engine, artifact):
     assert engine.scheduler(SchedulerConfig()).overlap is None  # CPU: nothing to overlap
     assert engine.scheduler(SchedulerConfig(overlap=True)).overlap is not None
     config = SchedulerConfig(speculative_num_steps=2, overlap=True)
     spec = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler=config)
     assert spec.scheduler().spec is not None and spec.scheduler().overlap is None
-    assert overlap_mod.can_overlap(engine.runner)  # multi-rank: test_overlap_multirank.py
-
-    class DPRank0:  # a runner under DP attention (its steps split by rank on the host)
-        dp = object()
-
-        def run_decode(self, step, ids=None): ...
+    assert overlap_mod.can_overlap(
+        engine.runner
+    )  # multi-rank: test_overlap_multirank.py, DP: test_overlap_dp.py
 
     class Plain:  # a runner that takes no ids from the device
         def run(self, step): ...
 
-    assert not overlap_mod.can_overlap(DPRank0()) and not overlap_mod.can_overlap(Plain())
+    assert not overlap_mod.can_overlap(Plain())
     with pytest.raises(MlacError, match="overlap=1: must be True, False or None"):
         SchedulerConfig(overlap=1)
 
