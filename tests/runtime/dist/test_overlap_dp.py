@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_overlap import assert_close_logprobs, prompts, run
+from test_overlap import admissions_and_aborts, both_fed, prompts, run
 
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions
@@ -55,15 +55,8 @@ def fed(monkeypatch) -> list[tuple[int, ...]]:
 
 
 def both(engine: Engine, reqs, steady: list[bool], fed: list, **kw):
-    """With and without overlap: the same results; overlap reached its steady state through fed
-    steps with rows on both ranks. Returns the results without overlap."""
-    plain = run(engine, reqs, False, **kw)
-    assert not steady and not fed
-    over = run(engine, reqs, True, **kw)
-    assert [o[:3] for o in over] == [p[:3] for p in plain]
-    for o, p in zip(over, plain, strict=True):
-        assert_close_logprobs(o[3], p[3])
-    assert any(steady), "never launched a step before landing the one before it"
+    """test_overlap.both_fed, and some fed step had rows on both ranks."""
+    plain = both_fed(engine, reqs, steady, fed, **kw)
     assert any(set(ranks) == {0, 1} for ranks in fed), fed
     return plain
 
@@ -86,16 +79,7 @@ def test_the_one_rank_tokens(engine, artifact, steady, fed):
 
 
 def test_admissions_aborts_and_the_prefix_cache_mid_run(engine, steady, fed):
-    ps = prompts(6) + [prompts(1)[0]] * 2  # the last two share a prompt with the first: prefix hits
-    reqs = [(p, SamplingParams(max_tokens=6 + 5 * (i % 3), ignore_eos=True)) for i, p in enumerate(ps)]
-    arrive = [0, 0, 2, 5, 5, 9, 12, 13]
-    plain = both(engine, reqs, steady, fed, arrive=arrive)
-    aborted = run(engine, reqs, True, arrive=arrive, abort=[(1, 6), (4, 8)])
-    for j, (ids, reason, _, _) in enumerate(aborted):
-        if j in (1, 4):
-            assert reason == "abort" and ids == plain[j][0][: len(ids)]
-        else:
-            assert (ids, reason) == plain[j][:2]
+    admissions_and_aborts(engine, lambda reqs, **kw: both(engine, reqs, steady, fed, **kw), steady)
 
 
 def test_seeded_sampling_is_that_without_overlap(engine, steady, fed):

@@ -76,6 +76,39 @@ def both(engine: Engine, reqs, steady: list[bool], **kw):
     return plain
 
 
+def both_fed(engine: Engine, reqs, steady: list[bool], fed: list, **kw):
+    """With and without overlap on a multi-rank engine (`fed`: what each fed step sent, spied): the
+    same results; overlap reached its steady state through fed steps. Returns the results without
+    overlap."""
+    plain = run(engine, reqs, False, **kw)
+    assert not steady and not fed
+    over = run(engine, reqs, True, **kw)
+    assert [o[:3] for o in over] == [p[:3] for p in plain]
+    for o, p in zip(over, plain, strict=True):
+        assert_close_logprobs(o[3], p[3])
+    assert any(steady) and fed, "never launched a step before landing the one before it"
+    return plain
+
+
+def admissions_and_aborts(engine: Engine, both, steady: list[bool]) -> None:
+    """Requests arriving mid-run (two sharing a prompt with the first: prefix hits) through `both`
+    (reqs, **kw -> the results without overlap, having checked overlap's against them), then the
+    same with two aborted mid-run under overlap: those stop early on the same tokens, the others are
+    untouched, and the steady state is reached again (the multi-rank tests, DP attention or not)."""
+    ps = prompts(6) + [prompts(1)[0]] * 2
+    reqs = [(p, SamplingParams(max_tokens=6 + 5 * (i % 3), ignore_eos=True)) for i, p in enumerate(ps)]
+    arrive = [0, 0, 2, 5, 5, 9, 12, 13]
+    plain = both(reqs, arrive=arrive)
+    steady.clear()
+    aborted = run(engine, reqs, True, arrive=arrive, abort=[(1, 6), (4, 8)])
+    for j, (ids, reason, _, _) in enumerate(aborted):
+        if j in (1, 4):
+            assert reason == "abort" and ids == plain[j][0][: len(ids)] and len(ids) < len(plain[j][0])
+        else:
+            assert (ids, reason) == plain[j][:2]
+    assert any(steady)
+
+
 def assert_close_logprobs(a, b) -> None:
     assert [(x.token_id, [t for t, _ in x.top]) for x in a] == [
         (x.token_id, [t for t, _ in x.top]) for x in b
