@@ -43,7 +43,7 @@ import torch
 
 from mlac.runtime.device_copy import to_device
 from mlac.runtime.engine.penalties import PenaltyStep
-from mlac.runtime.engine.sampling import logprob_tensors, read_logprobs, sample_apart
+from mlac.runtime.engine.sampling import NOT_A_DISTRIBUTION, logprob_tensors, read_logprobs, sample_apart
 from mlac.runtime.step import Step
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ class Flight:
     host: list[torch.Tensor]  # host copies: ids [B], then logprob values and ids [R, 1 + k] if asked
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU: nothing to wait for)
     errors: dict[int, Exception] = field(default_factory=dict)  # rows whose draw raised: they fail
+    bad: torch.Tensor | None = None  # host copy [B] bool: rows that were no distribution: they fail
 
 
 def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
@@ -184,14 +185,18 @@ class Overlap:
         logits = self.runner.run_decode(step, ids)  # [B, V] (the graphs' view: sampled before the next step)
         penalized = PenaltyStep.of([s.penalties for s in seqs], logits)  # counts grow on the device
         shaped = logits if penalized is None else penalized.apply(logits)
-        tokens, errors = sample_apart(shaped, [s.params for s in seqs], [s.generator for s in seqs])  # [B]
+        # deferred: a row that is no distribution is known when the flight lands (no wait here)
+        tokens, errors, bad = sample_apart(
+            shaped, [s.params for s in seqs], [s.generator for s in seqs], deferred=True
+        )  # [B]
         if penalized is not None:
             penalized.count(tokens)  # a failed row's placeholder too: that row ends
         lps = logprob_tensors(logits, tokens, [s.params.logprobs for s in seqs])
-        host, done = to_host([tokens, *(lps or ())])
+        host, done = to_host([tokens, *(lps or ()), *(() if bad is None else (bad,))])
         for s in seqs:
             s.num_computed += 1
-        return Flight(seqs, tokens, host, done, errors)
+        return Flight(seqs, tokens, host[: len(host) - (bad is not None)], done, errors,
+                      None if bad is None else host[-1])  # fmt: skip
 
     @staticmethod
     def land(sched: SchedulerView, flight: Flight) -> list[Sequence]:
@@ -203,12 +208,15 @@ class Overlap:
         tokens, *lp_host = (x.tolist() for x in flight.host)
         num_top = [s.params.logprobs for s in flight.seqs]
         lps = read_logprobs(*lp_host, num_top) if lp_host else [None] * len(tokens)
+        bad = [False] * len(tokens) if flight.bad is None else flight.bad.tolist()
         news = []
         for j, (s, t, lp) in enumerate(zip(flight.seqs, tokens, lps, strict=True)):
             if s.finished:
                 continue
             if j in flight.errors:
                 s.fail(flight.errors[j])
+            elif bad[j]:
+                s.fail(ValueError(NOT_A_DISTRIBUTION))
             else:
                 s.append_token(t, lp, sched.eos_ids, sched.max_context)
             if s.finished:
