@@ -25,11 +25,11 @@ def per_row_reference(logits, params, generators) -> list[int]:
             out.append(int(row.argmax()))
             continue
         x = row[None].float() / p.temperature
-        x = apply_top_k(x, torch.tensor([p.top_k]))
+        x = apply_top_k(x, torch.tensor([p.top_k], device=x.device))
         if p.top_p < 1:  # 1 is off (apply_top_p would drop tail tokens whose mass before rounds to 1)
-            x = apply_top_p(x, torch.tensor([p.top_p]))
+            x = apply_top_p(x, torch.tensor([p.top_p], device=x.device))
         if p.min_p > 0:
-            x = apply_min_p(x, torch.tensor([p.min_p]))
+            x = apply_min_p(x, torch.tensor([p.min_p], device=x.device))
         out.append(int(torch.multinomial(x.softmax(dim=-1)[0], 1, generator=g)))
     return out
 
@@ -136,3 +136,24 @@ def test_sample_apart_fails_the_bad_row_alone():
         for i, s in ((0, 1), (2, 3))
     ]
     assert [ids[0].item(), ids[2].item()] == [int(alone[0]), int(alone[1])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [list(range(8)), [1, 3, 6], [0, 5]])
+def test_seeded_rows_on_cuda_draw_the_tokens_of_each_row_sampled_alone(rows):
+    """The engine's generators live on the logits' device (sampling.generator_for): on CUDA the race's
+    noise of a seeded row is torch.multinomial's own there too, at V2-Lite's vocabulary."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev, vocab = torch.device("cuda"), 102_400
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in (MIX[r] for r in rows)
+    ]
+
+    def gens(seed: int) -> list[torch.Generator]:
+        return [torch.Generator(device=dev).manual_seed(seed * 10 + j) for j in range(len(rows))]
+
+    for seed in range(4):
+        logits = 3 * torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)).to(dev)
+        want = per_row_reference(logits, params, gens(seed))
+        assert sample(logits, params, gens(seed)).tolist() == want, (rows, seed)
