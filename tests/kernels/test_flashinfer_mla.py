@@ -1,0 +1,112 @@
+"""kernels/attention/flashinfer_mla.py on CPU: mlac's block tables as FlashInfer's paged layout
+(page_layout) against a direct gather of each row's tokens, blocks shared between rows included;
+paged_mla_ref, read through that layout, against mla_decode_ref over the block tables; the
+workspace's module listing that `prepare` stores. The FlashInfer kernel itself: tests/runtime/worker/
+test_attention_backend.py's GPU tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlac.core.errors import MlacError
+from mlac.kernels.attention.flashinfer_mla import page_layout, paged_mla_ref, workspace_modules
+from mlac.kernels.attention.mla_decode import mla_decode_ref
+
+PAGE, C, R, H = 4, 16, 8, 3
+SCALE = 0.3
+
+
+def pool_of(blocks: int, seed: int = 0) -> torch.Tensor:
+    """A random pool [blocks, PAGE, C + R] whose block 0 is NaN: a row that read a padding entry
+    (block 0 of mlac's padded tables) would turn NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(blocks, PAGE, C + R, generator=gen)
+    pool[0] = float("nan")
+    return pool
+
+
+# rows: two sharing a cached 2-block prefix (blocks 3, 5) then their own blocks, one of its own with a
+# partial page, one of one token; the table padded with block 0 to the widest row, and wider still
+TABLES = [[3, 5, 7, 0, 0, 0], [3, 5, 2, 6, 0, 0], [4, 0, 0, 0, 0, 0], [1, 8, 0, 0, 0, 0]]
+LENS = [9, 14, 3, 5]
+
+
+def gathered(pool: torch.Tensor, table: list[int], n: int) -> torch.Tensor:
+    """Row's tokens as mlac's slots give them: token p at slot table[p // PAGE] * PAGE + p % PAGE."""
+    slots = torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(n)])
+    return pool.view(-1, C + R)[slots]
+
+
+def through_layout(pool, indptr, indices, kv_len, b: int) -> torch.Tensor:
+    """Row b's tokens as FlashInfer's kernels read them: page indices[indptr[b] + p // PAGE], p < kv_len[b]."""
+    n = int(kv_len[b])
+    pages = [int(indices[int(indptr[b]) + p // PAGE]) for p in range(n)]
+    return torch.stack([pool[pages[p], p % PAGE] for p in range(n)])
+
+
+def test_page_layout_reads_every_row_as_its_block_table_does():
+    pool = pool_of(9)
+    tables = torch.tensor(TABLES, dtype=torch.int32)
+    indptr, indices, kv_len = page_layout(tables, LENS)
+    assert indptr.tolist() == [0, 6, 12, 18, 24]  # row b's page slots start at b * W
+    assert kv_len.tolist() == LENS and indices.data_ptr() == tables.data_ptr()  # a view: no copy
+    for b, (table, n) in enumerate(zip(TABLES, LENS, strict=True)):
+        got = through_layout(pool, indptr, indices, kv_len, b)
+        assert torch.equal(got, gathered(pool, table, n)), b
+        assert not got.isnan().any()  # no padding entry was read
+    # the shared prefix: both sharers read the same pool rows for their first 8 tokens
+    first, second = (
+        through_layout(pool, indptr, indices, kv_len, 0),
+        through_layout(pool, indptr, indices, kv_len, 1),
+    )
+    assert torch.equal(first[:8], second[:8]) and not torch.equal(first[8], second[8])
+
+
+def test_page_layout_of_a_strided_table_slice_copies_it_once():
+    """The CUDA graphs' static table [max_bs, max_blocks] sliced to the step's rows and width."""
+    buffer = torch.zeros(8, 10, dtype=torch.int32)
+    buffer[:4, :6] = torch.tensor(TABLES, dtype=torch.int32)
+    indptr, indices, _ = page_layout(buffer[:4, :6], LENS)
+    assert indptr.tolist() == [0, 6, 12, 18, 24] and indices.tolist() == sum(TABLES, [])
+
+
+def test_page_layout_refuses_what_it_cannot_lay_out():
+    with pytest.raises(MlacError, match=r"tables must be \[B, W\] int32"):
+        page_layout(torch.tensor(TABLES), LENS)  # int64
+    with pytest.raises(MlacError, match="3 lengths for 4 rows"):
+        page_layout(torch.tensor(TABLES, dtype=torch.int32), LENS[:3])
+    with pytest.raises(MlacError, match="each >= 1"):
+        page_layout(torch.tensor(TABLES, dtype=torch.int32), [9, 14, 0, 5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_reference_through_the_layout_is_mla_decode_ref(dtype):
+    pool = pool_of(9, seed=1).to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(len(LENS), H, C + R, generator=gen).to(dtype)
+    q_lat, q_rope = q[..., :C], q[..., C:]  # strided views, as the model's q_rope is
+    tables = torch.tensor(TABLES, dtype=torch.int32)
+    got = paged_mla_ref(q_lat, q_rope, pool, *page_layout(tables, LENS), SCALE)
+    clean = pool.clone()
+    clean[0] = 0  # mla_decode_ref masks the scores past a row's end, not the NaN values they multiply
+    want, _ = mla_decode_ref(q_lat, q_rope, clean, tables, torch.tensor(LENS, dtype=torch.int32), SCALE)
+    assert got.dtype == dtype and got.shape == (len(LENS), H, C)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_workspace_modules_are_the_built_libraries_alone(tmp_path):
+    """What `prepare` stores of FlashInfer's JIT workspace: each module's library, not its objects,
+    build file, generated sources or log."""
+    ops = tmp_path / ".cache" / "flashinfer" / "0.6.11" / "90a" / "cached_ops"
+    name = "batch_mla_attention_dtype_q_bf16_sm90"
+    (ops / name).mkdir(parents=True)
+    for f in (f"{name}.so", "build.ninja", "batch_mla_run.cuda.o", ".ninja_log"):
+        (ops / name / f).write_bytes(b"x")
+    (ops / "tmp").mkdir()
+    (ops / "tmp" / "other.so").write_bytes(b"x")  # not <name>/<name>.so
+    (ops.parent / "generated" / name).mkdir(parents=True)
+    (ops.parent / "generated" / name / "batch_mla_run.cu").write_text("//")
+    (ops.parent / "flashinfer_jit.log").write_text("")
+    assert workspace_modules(tmp_path) == [f".cache/flashinfer/0.6.11/90a/cached_ops/{name}/{name}.so"]
