@@ -127,7 +127,7 @@ class Engine:
         anything loads, and a kernel-cache unit is used only if signed by it too.
         `attention_backend`: "flashinfer" runs decode attention through FlashInfer's MLA kernel
         (worker/attention_backend.py), refused before anything loads where it cannot run
-        (backend_check.py)."""
+        (backend_check.py), with the unit's FlashInfer modules when it holds them."""
         options = build(EngineOptions, fields, options)
         rt = options.runtime
         # the one check of a valid artifact (core/validity.py; the bytes are hashed as each rank reads
@@ -137,7 +137,8 @@ class Engine:
         )
         manifest = checked.manifest
         check_backend(rt, manifest)  # --attention-backend flashinfer where it cannot run: one line
-        use_kernel_cache(checked, rt.device, rt.kernel_cache, rt.verify, public_key=rt.require_signature)
+        use_kernel_cache(checked, rt.device, rt.kernel_cache, rt.verify, public_key=rt.require_signature,
+                         attention_backend=rt.attention_backend)  # fmt: skip
         spec = options.scheduler.speculative_num_steps
         check_spec(spec, manifest.mtp is not None, manifest.plan.dp_attention)
         draft_layers = len(manifest.mtp.prefixes) if spec and manifest.mtp is not None else 0
