@@ -12,7 +12,7 @@ def __getattr__(name: str):
 
         return Engine
     if name == "SamplingParams":
-        from mlac.runtime.engine.sampling import SamplingParams
+        from mlac.runtime.engine.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'mlac' has no attribute {name!r}")

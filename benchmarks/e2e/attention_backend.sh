@@ -19,18 +19,7 @@
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/e2e/attention_backend.sh OUT_DIR}
 . benchmarks/gpu_env.sh  # log, wheels, env, W and C, GPUs, stamp
-if ls .whl-peers/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-peers \
-    .whl-peers/*.whl || echo "the wheels of .whl-peers did not install"
-fi
-export PYTHONPATH=/tmp/site-peers:$PYTHONPATH PATH=/tmp/site-peers/bin:$PATH  # bin/: ninja, which the JIT runs
-export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-jit TVM_FFI_CACHE_DIR=/tmp/flashinfer-jit/tvm-ffi
-export FLASHINFER_LOGGING_LEVEL=${FLASHINFER_LOGGING_LEVEL:-WARNING}
-if ! command -v nvcc >/dev/null && [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
-  export CUDA_HOME=/usr/local/cuda
-fi
-NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
-echo "nvcc $("$NVCC" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo missing), ninja $(ninja --version 2>/dev/null || echo missing)"
+. benchmarks/peers_env.sh  # FlashInfer's wheels, JIT workspace, nvcc
 python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' || { echo "flashinfer does not import"; exit 1; }
 A=$W/fi-bf16
 INPUT_LEN=${INPUT_LEN:-1024}

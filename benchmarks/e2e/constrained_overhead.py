@@ -29,9 +29,8 @@ import torch
 
 import mlac.runtime.engine.sequence as sequence_mod
 from mlac.runtime.engine import constrain
-from mlac.runtime.engine.constrain import GrammarSpec
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import GrammarSpec, SamplingParams
 
 MIN_ITEMS = 1000  # items the array must hold: far more than --steps tokens can write
 ITEM = {

@@ -24,7 +24,7 @@ import torch
 
 from mlac.core.artifact import Manifest
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 
 PROMPT_LEN = 64
 DECODE_STEPS = 64

@@ -132,7 +132,7 @@ async def workloads(url: str, model: str, vocab: int, args, plan: dict) -> dict:
 def in_process(args, plan: dict) -> dict[int, dict[str, list[float]]]:
     """The plan's requests on an engine of this process (serve.load_engine), one at a time: per
     suffix length and pass, the wall seconds of new_sequence + add + the steps to its token."""
-    from mlac.runtime.engine.sampling import SamplingParams
+    from mlac.runtime.engine.params import SamplingParams
     from mlac.runtime.serve import ServerConfig, load_engine
 
     config = ServerConfig.of(artifact=args.artifact, device=args.device, dtype=args.dtype, verify=False)

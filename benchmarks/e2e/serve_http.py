@@ -277,7 +277,8 @@ def warm_up(args, rec: Record, target: Target) -> None:
     """Each decode batch and the peak prompt length once, a few tokens each: Triton compiles a
     kernel on the first use of a shape, which must not land in the measured phases."""
     t0 = time.perf_counter()
-    shapes = [(b, args.prompt_len) for b in args.batches] + [(max(args.batches), args.peak_prompt_len)]
+    peak_batch = max(args.batches, default=min(args.max_running_requests, max(args.peak_requests, 1)))
+    shapes = [(b, args.prompt_len) for b in args.batches] + [(peak_batch, args.peak_prompt_len)]
     for i, (b, length) in enumerate(shapes):
         if target.budget.left() < 5:
             break
@@ -358,7 +359,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.port = args.port or free_port()
-    args.max_running_requests = args.max_running_requests or max(args.batches)
+    args.max_running_requests = args.max_running_requests or max(args.batches, default=args.peak_requests)
     args.max_queue = args.max_queue if args.max_queue is not None else max(256, args.peak_requests)
     args.log = args.log or args.json.with_suffix(".log")
     return args

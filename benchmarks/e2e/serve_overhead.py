@@ -93,7 +93,7 @@ def load(art: Path, max_batch: int, gpu_step_ms: float):
 
 def in_process(art: Path, ids: list[list[int]], max_tokens: int, gpu_step_ms: float = 0.0) -> dict:
     """The N requests stepped by one Scheduler in this process: tokens/s and CPU us per token."""
-    from mlac.runtime.engine.sampling import SamplingParams
+    from mlac.runtime.engine.params import SamplingParams
 
     engine = load(art, len(ids), gpu_step_ms)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)

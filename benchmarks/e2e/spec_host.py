@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mlac.runtime.worker.spec_exec as spec_exec
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.worker.graphs import DecodeGraphs
 from mlac.runtime.worker.spec_chain import ChainGraphs

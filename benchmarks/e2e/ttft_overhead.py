@@ -251,7 +251,7 @@ def server_config(art: Path):
 
 def in_process(art: Path, prompts: list[list[int]], warm: int) -> dict:
     """Per prompt: wall seconds of new_sequence + add + the steps to its token, the engine alone."""
-    from mlac.runtime.engine.sampling import SamplingParams
+    from mlac.runtime.engine.params import SamplingParams
     from mlac.runtime.serve import load_engine
 
     engine = load_engine(server_config(art))

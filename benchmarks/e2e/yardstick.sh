@@ -36,6 +36,10 @@
 #   PROFILE=1     also profile_prefill.py (cold, cached, 4/16/32 cached suffixes in one step) and
 #                 profile_startup.py (the imports, the load under cProfile) on the bf16 artifact
 #   CONSTRAINED=1 also constrained_overhead.py (the JSON-schema sampler's ms per decode step) on bf16
+#   PEAK_RUNNING  also the peak alone (1,024 requests of 128 + 128 tokens at once) served with each of these
+#                 --max-running-requests, e.g. "256 512 1024" (MAX_RUNNING must be the largest: the artifact is
+#                 prepared up to it), on the bf16 artifact: is there a cliff above the largest graph bucket?
+#                 -> peak_<art>_<M>.json
 #   W, C          the work folder (/tmp/w) and where the checkpoint is written (/dev/shm/ckpt): gpu_env.sh
 # Artifacts already in $W/<art> (a manifest there) are reused: nothing is synthesized or compiled again.
 # About 9 minutes for both artifacts on one H200 (synth and compiles ~2 min, prepare ~1 min each).
@@ -135,6 +139,17 @@ if [ -n "${PROFILE:-}" ]; then
   timeout 150 python3 $E2E/profile_startup.py $W/$A --device cuda --out "$OUT/startup_profile_$A" --verify
   stamp "profile_startup rc=$?"
 fi
+for m in ${PEAK_RUNNING:-}; do
+  rm -rf ~/.triton; unset TRITON_CACHE_DIR
+  timeout -k 10 ${SERVE_S:-170} python3 $E2E/serve_http.py $W/$A --device cuda --json "$OUT/peak_${A}_$m.json" \
+    --log $W/peak-$m.log --batches "" --peak-requests 1024 --peak-prompt-len 128 --peak-max-tokens 128 \
+    --max-running-requests $m --max-queue 1024 --serve-args="$SERVE_ARGS --require-prepared" \
+    --budget-s $(( ${SERVE_S:-170} - 10 )) | tail -1
+  python3 -c "import json, sys; p = json.load(open(sys.argv[1])).get('peak') or {}; print('peak at', sys.argv[2], \
+    {k: p.get(k) for k in ('output_tokens_per_s', 'server_triton_jit_compiles', 'server_num_preemptions')})" \
+    "$OUT/peak_${A}_$m.json" $m
+  stamp "peak at --max-running-requests $m"
+done
 if [ -n "${CONSTRAINED:-}" ]; then
   timeout -k 10 150 python3 $E2E/constrained_overhead.py $W/$A --out "$OUT/constrained_overhead_$A.json" | tail -8
   stamp "constrained_overhead rc=$?"

@@ -19,7 +19,7 @@ must read and write (the bandwidth floor). What the decode step runs, per layer 
     sample              once per step: temperature, top-k, top-p, softmax and the draw, every row sampling
     embed               once per step: VocabParallelEmbedding at one rank, plain eager ops (masks, lookup)
     logits_float        once per step: the head's bf16 logits cast to float32 and copied into the
-                        graphs' logits buffer (worker/graphs.py), two eager ops
+                        graphs' logits buffer (worker/graphs.py), one copy_ that casts
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from mlac.kernels.attention.mla_prep import mla_prep
 from mlac.kernels.fp8_quant import HAS_TRITON, act_quant, use_triton
 from mlac.kernels.gemm.fp8_gemm import quantize_act_ref
 from mlac.kernels.norm_rope import rms_norm, rms_norm_quant, rms_norm_quant_ref, rms_norm_ref
-from mlac.runtime.engine.sampling import SamplingParams, apply_top_k, apply_top_p, sample
+from mlac.runtime.engine.params import SamplingParams
+from mlac.runtime.engine.sampling import apply_top_k, apply_top_p, sample
 from mlac.runtime.model.layers import RotaryEmbedding, Weights, apply_rope
 from mlac.runtime.model.model import LATENT_NORM_EPS
 from mlac.runtime.model.parallel import SINGLE, VocabParallelEmbedding
@@ -368,11 +369,11 @@ def logits_float(cfg: ModelConfig, t: int, dev: torch.device) -> Case:
     head_out = (4 * torch.randn(t, v, device=dev)).to(torch.bfloat16)  # the head's F.linear output
     buffer = torch.empty(t, v, device=dev)  # the graphs' float32 logits [B, V]
 
-    def step(h, buf):  # worker/graphs.py: self.logits[:bs].copy_(self.model.logits(hidden))
-        buf.copy_(h.float())
+    def step(h, buf):  # worker/graphs.py: self.model.logits_into(hidden, self.logits[:bs])
+        buf.copy_(h)
 
     return Case(
-        f"[{t}, {v}] bf16 -> fp32 buffer", "DeepseekModel.logits' .float() + copy_ (eager, two launches)",
+        f"[{t}, {v}] bf16 -> fp32 buffer", "DeepseekModel.logits_into: copy_ casting (one launch)",
         lambda: (head_out, buffer.clone()), step, step, lambda a, _: [a[1]], nbytes=t * v * 6, tol=0.0,
     )  # fmt: skip
 

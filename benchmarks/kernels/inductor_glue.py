@@ -26,10 +26,18 @@ wrote: a fraction above 1 is L2) and compile seconds. The sampler runs outside t
 `sampling.sample` itself is also timed eagerly (eager_us), with its per-row host parameters and
 torch.multinomial row by row (a host sync each).
 
-Time is bounded: every piece compiles in mode default first; max-autotune (which benchmarks kernel
-configs as it compiles) follows where it could change the verdict first (the rows whose default
-came closest to mlac or beat it, then the largest batches), while --budget-s allows; a row skipped
-says so. Rerun those alone: --modes max-autotune-no-cudagraphs --pieces ... --batches ...
+Order: every row in the first mode (default), V2-Lite then V3, 1 token then 256; then
+max-autotune (which benchmarks kernel configs as it compiles: seconds to a minute a row) only where
+default came within 20% of mlac or beat it, closest first. Time is bounded: no compile starts unless
+its estimate ends by --budget-s; a task (one row's mlac, or one compile and its timing) that runs past
+--compile-cap-s, or past --budget-s plus that, is stopped and recorded as a timeout, so the run ends by
+itself within --budget-s + --compile-cap-s. Rerun skipped rows alone: --modes ... --pieces ... --batches ...
+
+The pieces are measured in a worker process (glue_worker.py, started by worker_process.py): a CUDA
+fault (an illegal memory access poisons the process's CUDA context) or a crash becomes that row's
+error ("CUDA fault: ..."), and a fresh worker takes the rows after it. Errors print as one line each,
+in full in the JSON, which is rewritten (atomically) after every row: a run cut off keeps what it
+measured ("complete": false).
 """
 
 from __future__ import annotations
@@ -38,7 +46,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -49,108 +56,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import glue_pieces as gp  # noqa: E402
-from timing import copy_gbps, graph_us  # noqa: E402
+from glue_worker import FAULT, Worker  # noqa: E402
+from worker_process import ChildWorker, LocalWorker, WorkerLost, WorkerStartError  # noqa: E402
 
 MODES = ("default", "max-autotune-no-cudagraphs")
 SCRIPT = "python benchmarks/kernels/inductor_glue.py"
+FIRST_EST_S = 5.0  # a first compile's estimate in mode default (seconds)
+AUTOTUNE_WITHIN = 1.2  # later modes only where the first mode's time <= this x mlac's
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def wall_us(fn, dev: torch.device, calls: int = 3) -> float:
-    """Median wall microseconds of eager calls, each synchronized (CPU, and what runs outside graphs)."""
-    fn()
-    sync(dev)
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        sync(dev)
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
-
-
-def time_us(fn, dev: torch.device) -> float:
-    """CUDA-graph replay median on CUDA; eager wall time on CPU (no graphs there)."""
-    return graph_us([fn]) if dev.type == "cuda" else wall_us(fn, dev)
-
-
-def call(case: gp.Case, fn, args: tuple):
-    """One timed call: the case's `before` (fresh noise), then fn."""
-    if case.before is not None:
-        case.before(args)
-    return fn(*args)
-
-
-def compile_ref(case: gp.Case, args: tuple, mode: str, backend: str, dev: torch.device):
-    """torch.compile of the reference, compiled by a first call on args -> (fn, its output, seconds)."""
-    torch._dynamo.reset()  # each shape its own compile, never a recompile limit reached
-    kw = {"mode": None if mode == "default" else mode} if backend == "inductor" else {}
-    fn = torch.compile(case.ref, backend=backend, fullgraph=True, dynamic=False, **kw)
-    start = time.perf_counter()
-    out = fn(*args)
-    sync(dev)
-    return fn, out, time.perf_counter() - start
-
-
-def warm_inductor(dev: torch.device) -> float:
-    """Seconds of one throwaway compile: Inductor's one-time start, kept out of every piece's compile_s."""
-    x = torch.ones(8, device=dev)
-    start = time.perf_counter()
-    torch.compile(lambda a: a * 2 + 1, fullgraph=True, dynamic=False)(x)
-    sync(dev)
-    torch._dynamo.reset()
-    return round(time.perf_counter() - start, 2)
-
-
-def failed(e: Exception) -> dict:
-    torch._dynamo.reset()
-    return {"error": f"{type(e).__name__}: {str(e).strip()[:400]}"}
-
-
-def fraction(nbytes: int, us: float | None, bw: float | None) -> float | None:
-    """The bandwidth floor of nbytes over the measured time (bw in GB/s: GB/s x 1e3 = bytes per us)."""
-    return None if us is None or bw is None else round(nbytes / (bw * 1e3) / us, 3)
-
-
-def run_mlac(case: gp.Case, dev: torch.device, bw: float | None) -> tuple[dict, list | None]:
-    """mlac's piece: checked against the eager reference, timed -> (row fields, its outputs)."""
-    row: dict = {}
-    try:
-        args = case.inputs()
-        want = case.outputs(args, case.mlac(*args))
-        ref_args = case.inputs()
-        row["ref_max_error"] = gp.max_error(case, case.outputs(ref_args, case.ref(*ref_args)), want)
-        row["ref_ok"] = row["ref_max_error"] <= case.tol
-        timed = case.inputs()
-        row["mlac_us"] = round(time_us(lambda: call(case, case.mlac, timed), dev), 2)
-        row["mlac_fraction"] = fraction(case.nbytes, row["mlac_us"], bw)
-        if case.checks is not None:
-            row.update(case.checks())
-        for name, fn in (case.eager or {}).items():
-            row.setdefault("eager_us", {})[name] = round(wall_us(fn, dev), 2)
-    except Exception as e:  # noqa: BLE001  (recorded in the row; the run goes on)
-        return failed(e), None
-    return row, want
-
-
-def run_inductor(case: gp.Case, want: list, mode: str, args_ns, dev: torch.device, bw: float | None) -> dict:
-    """The compiled reference in `mode`: compiled, checked against mlac's outputs, timed."""
-    try:
-        args = case.inputs()
-        fn, out, compile_s = compile_ref(case, args, mode, args_ns.backend, dev)
-        err = gp.max_error(case, case.outputs(args, out), want)
-        timed = case.inputs()
-        us = round(time_us(lambda: call(case, fn, timed), dev), 2)
-    except Exception as e:  # noqa: BLE001
-        return failed(e)
-    finally:
-        torch._dynamo.reset()
-    return {"us": us, "compile_s": round(compile_s, 2), "max_error": err, "ok": err <= case.tol, "tol": case.tol,
-            "fraction": fraction(case.nbytes, us, bw)}  # fmt: skip
+def one_line(text: str, width: int = 200) -> str:
+    """An error's first line, cut to `width` (the whole text is in the JSON)."""
+    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def add_ratio(row: dict, mode: str) -> None:
@@ -163,124 +81,18 @@ def show(row: dict, mode: str | None) -> None:
     head = f"{row['piece']:18} {row['model']:7} T={row['batch']:<4}"
     if mode is None:
         extra = f"  eager sampler {row['eager_us']['sampler']:.1f} us" if "eager_us" in row else ""
-        mlac = f"{row['mlac_us']:8.2f} us" if "mlac_us" in row else row.get("error", "-")
-        print(f"{head} mlac     {mlac}  {row['shape']}{extra}", flush=True)
+        mlac = (
+            f"{row['mlac_us']:8.2f} us" if "mlac_us" in row else one_line(row.get("error") or row["skipped"])
+        )
+        print(f"{head} mlac     {mlac}  {row.get('shape', '')}{extra}", flush=True)
         return
     r = row["inductor"][mode]
     if "us" not in r:
-        print(f"{head} {mode}: {r.get('error') or r.get('skipped')}", flush=True)
+        print(f"{head} {mode}: {one_line(r.get('error') or r.get('skipped'))}", flush=True)
         return
     flag = "" if r["ok"] else f"  MISMATCH (tol {r['tol']})"
     print(f"{head} {mode:26} {r['us']:8.2f} us  mlac/inductor {r.get('ratio', float('nan')):.2f}  "
           f"compile {r['compile_s']:.1f} s  max err {r['max_error']:.1e}{flag}", flush=True)  # fmt: skip
-
-
-class Budget:
-    """Seconds left of --budget-s since the start; whether a compile estimated at `est` still fits."""
-
-    def __init__(self, seconds: float):
-        self.start, self.seconds = time.monotonic(), seconds
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def fits(self, est: float) -> bool:
-        return self.elapsed() + est <= self.seconds
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (the tiny presets), batches 1 and 5")
-    ap.add_argument("--pieces", nargs="+", choices=list(gp.PIECES), default=list(gp.PIECES))
-    ap.add_argument("--models", nargs="+", choices=("v2-lite", "v3"), default=["v2-lite", "v3"])
-    ap.add_argument("--batches", nargs="+", type=int, default=None, help="token counts (default 1 256)")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=None, help="default: both (smoke: default)")
-    ap.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor",
-                    help="aot_eager: trace only (fullgraph), no code generated: the fast CPU test")  # fmt: skip
-    ap.add_argument("--budget-s", type=float, default=230.0, help="no compile starts past this (since start)")
-    ap.add_argument(
-        "--cache-dir", type=Path, default=None, help="Inductor cache (default: a new temp folder)"
-    )
-    args = ap.parse_args(argv)
-    args.batches = args.batches or ([1, 5] if args.smoke else [1, 256])
-    args.modes = args.modes or (["default"] if args.smoke or args.backend != "inductor" else list(MODES))
-    return args
-
-
-def header(args: argparse.Namespace, dev: torch.device, bw: float | None, argv: list[str]) -> dict:
-    interp = dev.type == "cpu" and gp.forced(dev)
-    return {
-        "benchmark": "decode-step glue: mlac against torch.compile (Inductor)",
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "triton": gp.triton_version(), "cuda": torch.version.cuda,
-        "python": platform.python_version(), "command": " ".join([SCRIPT, *argv]),
-        "copy_gb_per_s": bw and round(bw, 1), "backend": args.backend, "modes": args.modes,
-        "budget_s": args.budget_s, "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-        "timing": "CUDA-graph replay, median (timing.graph_us)" if dev.type == "cuda" else "CPU wall, eager",
-        "mlac_path": "Triton kernels" if dev.type == "cuda" else
-        ("Triton interpreter" if interp else "the wrappers' CPU references"),
-    }  # fmt: skip
-
-
-def run(args: argparse.Namespace, argv: list[str]) -> dict:
-    dev = torch.device(args.device)
-    budget = Budget(args.budget_s)
-    bw = copy_gbps() if dev.type == "cuda" else None
-    record = header(args, dev, bw, argv)
-    for key in ("device", "torch", "triton", "cuda", "copy_gb_per_s", "command"):
-        print(f"{key}: {record[key]}", flush=True)
-    configs = gp.model_configs(args.smoke)
-    if args.backend == "inductor":
-        record["inductor_start_s"] = warm_inductor(dev)
-    rows, wants = first_pass(args, configs, dev, bw, budget)
-    for mode in args.modes[1:]:
-        later_pass(rows, wants, mode, args, configs, dev, bw, budget)
-    record["wall_s"] = round(budget.elapsed(), 1)
-    record["rows"] = rows
-    summary(rows)
-    return record
-
-
-def first_pass(args, configs, dev, bw, budget: Budget) -> tuple[list[dict], dict[int, list]]:
-    """Every piece, model and batch: mlac's piece, then the reference compiled in the first mode ->
-    (rows, mlac's outputs by id(row), None where mlac's piece failed)."""
-    rows, wants = [], {}
-    for t in args.batches:
-        for model in args.models:
-            for piece in args.pieces:
-                case = gp.build(piece, configs[model], t, dev)
-                if case is None:
-                    continue
-                row = {"piece": piece, "model": model, "batch": t, "shape": case.shape, "mlac": case.what,
-                       "bytes": case.nbytes, "inductor": {}}  # fmt: skip
-                fields, wants[id(row)] = run_mlac(case, dev, bw)
-                row.update(fields)
-                show(row, None)
-                rows.append(row)
-                if wants[id(row)] is not None:
-                    compile_mode(row, case, wants[id(row)], args.modes[0], args, dev, bw, budget, est=5.0)
-    return rows, wants
-
-
-def later_pass(rows, wants, mode: str, args, configs, dev, bw, budget: Budget) -> None:
-    """A slower mode (max-autotune benchmarks kernel configs as it compiles: seconds to a minute a
-    row), first where it could change the verdict: rows whose first mode came closest to mlac or beat
-    it, then the largest batches. A compile starts only if its estimate fits the budget: the first
-    mode's compile time times the largest slowdown seen so far in this mode (10 before any)."""
-    first = args.modes[0]
-    order = sorted(rows, key=lambda r: (-r["inductor"].get(first, {}).get("ratio", 0.0), -r["batch"]))
-    slowdowns: list[float] = []
-    for row in order:
-        if wants[id(row)] is None:
-            continue
-        base = row["inductor"].get(first, {}).get("compile_s") or 5.0
-        est = base * (max(slowdowns) if slowdowns else 10.0)
-        case = gp.build(row["piece"], configs[row["model"]], row["batch"], dev)
-        compile_mode(row, case, wants[id(row)], mode, args, dev, bw, budget, est)
-        if "compile_s" in row["inductor"][mode]:
-            slowdowns.append(row["inductor"][mode]["compile_s"] / base)
 
 
 def summary(rows: list[dict]) -> None:
@@ -297,14 +109,206 @@ def summary(rows: list[dict]) -> None:
               f"{'  MISMATCH: ' + ', '.join(bad) if bad else ''}", flush=True)  # fmt: skip
 
 
-def compile_mode(row, case, want, mode, args, dev, bw, budget: Budget, est: float) -> None:
-    """One mode of one row, if the budget allows a compile of about `est` seconds."""
-    if not budget.fits(est):
-        row["inductor"][mode] = {"skipped": f"run budget ({args.budget_s:.0f} s, --budget-s)"}
-    else:
-        row["inductor"][mode] = run_inductor(case, want, mode, args, dev, bw)
-        add_ratio(row, mode)
-    show(row, mode)
+def write_json(path: Path, record: dict) -> None:
+    """Atomically: a reader (or a run cut off mid-write) sees the old record or the new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class Budget:
+    """--budget-s: no compile starts unless its estimate ends by it. --compile-cap-s: the most one task
+    may take. The run ends by start + budget + cap: a task's deadline is the nearer of the two."""
+
+    def __init__(self, seconds: float, cap: float):
+        self.start, self.seconds, self.cap = time.monotonic(), seconds, cap
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def fits(self, est: float) -> bool:
+        return self.elapsed() + est <= self.seconds
+
+    def end(self) -> float:
+        return self.start + self.seconds + self.cap
+
+    def over(self) -> bool:
+        return time.monotonic() >= self.end()
+
+    def deadline(self) -> float:
+        return min(time.monotonic() + self.cap, self.end())
+
+
+class Run:
+    """The parent's side: asks the worker for each row in the plan's order, keeps the record, and
+    writes it after every answer."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str]):
+        self.args, self.budget = args, Budget(args.budget_s, args.compile_cap_s)
+        self.record = header(args, argv)
+        self.rows: list[dict] = self.record["rows"]
+        self.pool = (LocalWorker if args.in_process else ChildWorker)(Worker, self.worker_args)
+
+    def worker_args(self, index: int) -> tuple:
+        opts = {k: getattr(self.args, k) for k in ("device", "smoke", "backend", "inject_fault")}
+        return opts, self.record.get("copy_gb_per_s"), index  # the first worker measures the copy rate
+
+    def ask(self, task: dict) -> dict:
+        """The worker's answer; a worker lost on the task is that task's error. WorkerStartError
+        (no worker could be started) ends the run."""
+        self.pool.ready(self.budget.end())
+        self.greet()
+        try:
+            return self.pool.call(task, self.budget.deadline())
+        except WorkerLost as e:
+            if e.died:
+                return {"error": f"{FAULT}: {e}"}
+            cap = self.args.compile_cap_s
+            return {"error": f"timeout: past --compile-cap-s {cap:.0f} or the run's end: {e}"}
+
+    def greet(self) -> None:
+        if self.pool.starts == self.record["worker_starts"]:
+            return
+        self.record["worker_starts"] = self.pool.starts
+        if self.pool.starts > 1:
+            print(f"worker process {self.pool.starts} started", flush=True)
+            return
+        self.record.update(self.pool.hello)
+        for key in ("device", "copy_gb_per_s", "inductor_start_s", "mlac_path"):
+            print(f"{key}: {self.record[key]}", flush=True)
+
+    def save(self) -> None:
+        self.record["wall_s"] = round(self.budget.elapsed(), 1)
+        if self.args.json:
+            write_json(self.args.json, self.record)
+
+    def first_pass(self) -> None:
+        """Every row: mlac's piece, then the reference compiled in the first mode."""
+        args = self.args
+        for model in args.models:
+            for t in args.batches:
+                for piece in args.pieces:
+                    row = {"piece": piece, "model": model, "batch": t}
+                    if self.budget.over():
+                        self.rows.append(row := {**row, "skipped": "the run's end", "inductor": {}})
+                        show(row, None)
+                        continue
+                    fields = self.ask({"kind": "mlac", "row": (piece, model, t)})
+                    if fields.get("absent"):
+                        continue
+                    self.rows.append(row := {**row, **fields, "inductor": {}})
+                    show(row, None)
+                    self.save()
+                    if "mlac_us" in row:
+                        self.compile_mode(row, args.modes[0], FIRST_EST_S)
+
+    def later_pass(self, mode: str) -> None:
+        """A slower mode, only for rows whose first mode came within AUTOTUNE_WITHIN of mlac or beat
+        it, closest first, then the largest batches. A compile starts only if its estimate fits the
+        budget: the first mode's compile time times the largest slowdown seen so far in this mode (10
+        before any)."""
+        first = self.args.modes[0]
+        near = [r for r in self.rows if "us" in r["inductor"].get(first, {})
+                and r["inductor"][first]["us"] <= AUTOTUNE_WITHIN * r["mlac_us"]]  # fmt: skip
+        within = f"{first} within {AUTOTUNE_WITHIN - 1:.0%} of mlac or faster"
+        for row in self.rows:
+            if "mlac_us" in row and not any(row is r for r in near):
+                row["inductor"][mode] = {"skipped": f"not {within}"}
+        print(f"{mode}: {len(near)} of {len(self.rows)} rows ({within})", flush=True)
+        self.save()
+        slowdowns: list[float] = []
+        for row in sorted(near, key=lambda r: (-r["inductor"][first].get("ratio", 0.0), -r["batch"])):
+            base = row["inductor"][first].get("compile_s") or FIRST_EST_S
+            self.compile_mode(row, mode, base * (max(slowdowns) if slowdowns else 10.0))
+            r = row["inductor"][mode]
+            if "compile_s" in r:
+                slowdowns.append(r["compile_s"] / base)
+            elif r.get("error", "").startswith("timeout"):
+                slowdowns.append(self.args.compile_cap_s / base)
+
+    def compile_mode(self, row: dict, mode: str, est: float) -> None:
+        """One mode of one row, if the budget allows a compile of about `est` seconds."""
+        if not self.budget.fits(est):
+            row["inductor"][mode] = {"skipped": f"run budget ({self.args.budget_s:.0f} s, --budget-s)"}
+        else:
+            row["inductor"][mode] = self.ask(
+                {"kind": "compile", "row": (row["piece"], row["model"], row["batch"]), "mode": mode}
+            )
+            add_ratio(row, mode)
+        show(row, mode)
+        self.save()
+
+
+def fault_spec(text: str) -> tuple[tuple[str, str, int], str]:
+    """PIECE/MODEL/T:KIND -> ((piece, model, t), kind)."""
+    row, _, kind = text.partition(":")
+    piece, model, t = row.split("/")
+    if kind not in ("raise", "die", "hang"):
+        raise argparse.ArgumentTypeError(f"{text!r}: KIND is raise, die or hang")
+    return (piece, model, int(t)), kind
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, default=None, help="the record, rewritten after every row")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (the tiny presets), batches 1 and 5")
+    ap.add_argument("--pieces", nargs="+", choices=list(gp.PIECES), default=list(gp.PIECES))
+    ap.add_argument("--models", nargs="+", choices=("v2-lite", "v3"), default=["v2-lite", "v3"])
+    ap.add_argument("--batches", nargs="+", type=int, default=None, help="token counts (default 1 256)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=None, help="default: both (smoke: default)")
+    ap.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor",
+                    help="aot_eager: trace only (fullgraph), no code generated: the fast CPU test")  # fmt: skip
+    ap.add_argument("--budget-s", type=float, default=180.0, help="no compile starts past this (since start)")
+    ap.add_argument("--compile-cap-s", type=float, default=60.0,
+                    help="the most one task (a compile and its timing) may take; the run ends by budget + this")  # fmt: skip
+    ap.add_argument(
+        "--cache-dir", type=Path, default=None, help="Inductor cache (default: a new temp folder)"
+    )
+    ap.add_argument("--in-process", action="store_true",
+                    help="no worker process: a CUDA fault ends the run (debugging, tests that patch a piece)")  # fmt: skip
+    ap.add_argument("--inject-fault", type=fault_spec, default=None, metavar="PIECE/MODEL/T:KIND",
+                    help="test hook: a simulated CUDA fault at that row's compile (raise, die or hang)")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.in_process and args.inject_fault and args.inject_fault[1] != "raise":
+        ap.error("--inject-fault die or hang would take this process: not with --in-process")
+    args.batches = args.batches or ([1, 5] if args.smoke else [1, 256])
+    args.modes = args.modes or (["default"] if args.smoke or args.backend != "inductor" else list(MODES))
+    return args
+
+
+def header(args: argparse.Namespace, argv: list[str]) -> dict:
+    """What the parent knows; the worker's hello adds the device, its copy rate and mlac's path."""
+    return {
+        "benchmark": "decode-step glue: mlac against torch.compile (Inductor)",
+        "torch": torch.__version__, "triton": gp.triton_version(), "cuda": torch.version.cuda,
+        "python": platform.python_version(), "command": " ".join([SCRIPT, *argv]),
+        "backend": args.backend, "modes": args.modes, "budget_s": args.budget_s,
+        "compile_cap_s": args.compile_cap_s, "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "timing": "CUDA-graph replay, median (timing.graph_us)" if args.device == "cuda" else "CPU wall, eager",
+        "complete": False, "worker_starts": 0, "rows": [],
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    job = Run(args, argv)
+    for key in ("torch", "triton", "cuda", "command"):
+        print(f"{key}: {job.record[key]}", flush=True)
+    job.save()
+    try:
+        job.first_pass()
+        for mode in args.modes[1:]:
+            job.later_pass(mode)
+        job.record["complete"] = True
+    except WorkerStartError as e:
+        job.record["stopped"] = str(e)
+        print(f"stopped: {one_line(str(e))}", flush=True)
+    finally:
+        job.pool.close()
+    job.save()
+    summary(job.rows)
+    return job.record
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -312,18 +316,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     cache = str(args.cache_dir or tempfile.mkdtemp(prefix="inductor_glue_"))
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read at each compile: nothing compiled before counts
+    # read at each compile, and by every worker process (spawned with this environment)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     try:
-        with torch.no_grad():
-            record = run(args, argv)
+        return run(args, argv)
     finally:
         if before is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-    return record
 
 
 if __name__ == "__main__":

@@ -72,10 +72,10 @@ def generate(out_dir, prompt, chat, max_tokens, temperature, top_p, top_k, gener
     completion of --prompt."""
     out_dir = fetched(out_dir, flags)
     launch = early_launch(out_dir)
-    from mlac.runtime.engine.constrain import GrammarSpec, InvalidGrammar
     from mlac.runtime.engine.engine import Engine
     from mlac.runtime.engine.generation_config import sampling_defaults
     from mlac.runtime.engine.options import EngineOptions
+    from mlac.runtime.engine.params import GrammarSpec, InvalidGrammar
 
     grammar = None if json_schema is None else GrammarSpec("json_schema", read_json_schema(json_schema))
     engine = Engine.from_artifact(out_dir, EngineOptions.of(**option_fields(flags), launch=launch))

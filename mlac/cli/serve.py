@@ -112,8 +112,11 @@ def serve(out_dir, nnodes, node_rank, master_addr, master_port, log_level, engin
 
     config = ServerConfig.of(artifact=out_dir, launch=launch, process_start=PROCESS_START,
                              engine_process=process is not None, **option_fields(flags))  # fmt: skip
-    if process is not None:  # the engine's process loads while this one imports torch and the HTTP stack
-        configure_early(process, config, log_level)
+    if process is not None:  # the engine's process loads while this one imports the HTTP stack (and torch)
+        from mlac.runtime.serve.preflight import refuse_before_load  # (no torch)
+
+        refuse_before_load(config)  # as launch.serve does, before the engine loads
+        process.configure(config, log_level)
     from mlac.runtime.serve import load_engine
     from mlac.runtime.serve import serve as run_server
 
@@ -135,24 +138,9 @@ def check_stated(out_dir, flags: dict) -> None:
 
     refuse_launch(flags["attention_backend"], flags["device"], flags["dtype"])
     stated = option_fields({k: flags[k] for k in ("tensor_parallel_size", "kv_cache_dtype", "dp_attention")})
-    # else nothing is imported: the engine's process starts next
+    # none stated: the manifest is not read here (pydantic's import would delay the engine's process)
     if any(v is not None for v in stated.values()):
-        from mlac.core.artifact import Manifest  # (pydantic: a tenth of a second, more on a GPU host)
+        from mlac.core.artifact import Manifest
         from mlac.runtime.expect import check_expected
 
         check_expected(Manifest.load(out_dir), **stated)
-
-
-def configure_early(process, config, log_level: str) -> None:
-    """What launch.serve refuses before the model loads, refused here too (none of it imports
-    torch); then the engine's process gets its config and loads while this process imports torch
-    and the HTTP stack. On a GPU host the two imports ran side by side before, and the engine waited
-    for the slower: about a second of start-up (benchmarks/results/startup_v2-lite-4layer_h100.json)."""
-    from mlac.core.artifact import Manifest
-    from mlac.runtime.engine.generation_config import sampling_defaults
-    from mlac.runtime.serve.port import check_port
-
-    Manifest.load(config.artifact)
-    sampling_defaults(config.artifact, config.generation_config)
-    check_port(config.host, config.port)
-    process.configure(config, log_level)

@@ -104,63 +104,85 @@ def quant_groups(v, FP8_MAX_C: tl.constexpr):
     return q, scale
 
 
-@jit
+# m_major: rows padded to a multiple of this, so that each column of the M-major scales starts
+# 16-byte aligned, as cuBLASLt's 1x128 block scaling needs (kernels/gemm/fp8_cublas.py)
+M_MAJOR_ROWS = 4
+
+
+def padded_rows(m: int) -> int:
+    """The rows of an m_major quantization of m rows: m rounded up to a multiple of M_MAJOR_ROWS."""
+    return -(-m // M_MAJOR_ROWS) * M_MAJOR_ROWS
+
+
+@jit(dynamic=("M_OUT", "stride_sg"))
 def _act_quant_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
     M,
+    M_OUT,
     K,
     groups,
     stride_xm,
     stride_qm,
     stride_sm,
+    stride_sg,
     BLOCK_R: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # one program: BLOCK_R (row, 128-channel group) pairs, row-major over [M, groups]
+    # one program: BLOCK_R (row, 128-channel group) pairs, row-major over [M_OUT, groups]; rows
+    # M..M_OUT (m_major padding) are zero rows: q 0, scale 1
     pdl_start(PDL)
     idx = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]
     row = idx // groups
     g = idx % groups
     c = g[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [R, GS]
-    ok = row < M
-    mask = ok[:, None] & (c < K)
-    x = tl.load(x_ptr + row[:, None] * stride_xm + c, mask=mask, other=0.0).to(tl.float32)
+    live = row < M_OUT
+    in_x = row < M
+    x = tl.load(x_ptr + row[:, None] * stride_xm + c, mask=in_x[:, None] & (c < K), other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)  # [R]
-    scale = tl.math.div_rn(amax, FP8_MAX_C)
+    scale = tl.where(in_x, tl.math.div_rn(amax, FP8_MAX_C), 1.0)
     q = round_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C, FP8_MAX_C))
-    tl.store(q_ptr + row[:, None] * stride_qm + c, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, scale, mask=ok)
+    tl.store(q_ptr + row[:, None] * stride_qm + c, q.to(q_ptr.dtype.element_ty), mask=live[:, None] & (c < K))
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=live)
 
 
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32, last dim contiguous) -> (q [M, K] e4m3, scale [M, ceil(K/128)] fp32).
 
-    Triton kernel; same contract and bits as `fp8_gemm.quantize_act_ref`.
+    Triton kernel; same contract and bits as `fp8_gemm.quantize_act_ref`. `m_major`: the layout
+    cuBLAS's 1x128 block scaling reads (kernels/gemm/fp8_cublas.py), in the same launch: q [Mp, K]
+    and scale [Mp, G] with strides (1, Mp) (a view of [G, Mp] storage), Mp = padded_rows(M); rows
+    M..Mp are zero rows (q 0, scale 1), the first M rows the bits above.
     """
     assert HAS_TRITON, "act_quant needs triton"
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be 2-D with contiguous rows, got {tuple(x.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     m, k = x.shape
     groups = triton.cdiv(k, GROUP)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-    if m == 0 or k == 0:
+    m_out = padded_rows(m) if m_major else m
+    q = torch.empty(m_out, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if m_major:
+        s = torch.empty(groups, m_out, dtype=torch.float32, device=x.device).t()  # [Mp, G], strides (1, Mp)
+    else:
+        s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m_out == 0 or k == 0:
         return q, s
     block_r = 16
-    _act_quant_kernel[(triton.cdiv(m * groups, block_r),)](
+    _act_quant_kernel[(triton.cdiv(m_out * groups, block_r),)](
         x,
         q,
         s,
         m,
+        m_out,
         k,
         groups,
         x.stride(0),
         q.stride(0),
         s.stride(0),
+        s.stride(1),
         BLOCK_R=block_r,
         GROUP_SIZE=GROUP,
         FP8_MAX_C=FP8_MAX,
@@ -172,11 +194,13 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 __all__ = [
     "HAS_TRITON",
+    "M_MAJOR_ROWS",
     "Fp8Act",
     "act_quant",
     "cast_out",
     "interpreting",
     "jit",
+    "padded_rows",
     "quant_groups",
     "round_bf16",
     "round_e4m3",

@@ -13,6 +13,9 @@ the weights' shapes:
 - dense FP8 GEMM (fp8_gemm.gemm_variant, per weight shape): BLOCK_M = next power of two of M up to
   64 (decode tiles), then two prefill configs; and M itself (not `dynamic`): "1", "16", "any" (a
   warm-up of multiples of 16 above 256 tokens left every eager step of 300 tokens, say, to compile);
+  where the model routes FP8 linears to cuBLAS (`StepShapes.fp8_cublas`), the products that
+  fp8_cublas.cublas_takes compile no GEMM and quantize a plain input with act_quant's m_major
+  layout (M's class; its padded rows and scale stride are `dynamic`);
 - skinny GEMM (gemv.py, gemv_configs.py; bf16 weights at <= 16 rows): its config and BLOCK_M per row count;
 - router (router_gemv.py): the fused launch's BLOCK_T, where router_plan takes it (<= 4 rows);
 - act_quant (FP8 activations quantized apart): M's class.
@@ -29,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlac.kernels.gemm import gemv_configs
+from mlac.kernels.gemm.fp8_cublas import cublas_takes
 from mlac.kernels.gemm.fp8_gemm import gemm_variant, int_class, next_power_of_2
 from mlac.kernels.moe import router_gemv
 from mlac.kernels.moe.fused import moe_variants
@@ -54,11 +58,17 @@ class StepShapes:
     fp8_linears: tuple[tuple[int, int], ...] = ()  # (N, K) of each FP8 weight [N, K]
     dense_linears: tuple[tuple[int, int], ...] = ()  # (N, K) of each bf16/fp16 weight
     moe: MoeShape | None = None
+    fp8_cublas: bool = False  # the FP8 linears run through cuBLAS where cublas_takes (Linear.cublas)
 
 
 def step_variants(t: int, shapes: StepShapes) -> list[tuple]:
     """The kernel variants a step of t >= 1 tokens picks: one tuple per kernel (its name first)."""
-    out: list[tuple] = [("fp8_gemm", n, k, *gemm_variant(t, n, k, shapes.sms)) for n, k in shapes.fp8_linears]
+    out: list[tuple] = []
+    for n, k in shapes.fp8_linears:
+        if shapes.fp8_cublas and cublas_takes(t, n, k):  # cuBLAS compiles nothing; a plain x is quantized
+            out.append(("act_quant_m_major", k, int_class(t)))
+        else:
+            out.append(("fp8_gemm", n, k, *gemm_variant(t, n, k, shapes.sms)))
     if shapes.fp8_linears or (shapes.moe is not None and shapes.moe.fp8):  # where x is not an Fp8Act
         out.append(("act_quant", int_class(t)))
     if t <= gemv_configs.MAX_ROWS:

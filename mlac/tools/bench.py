@@ -20,7 +20,7 @@ import torch
 
 from mlac.core.artifact import Manifest
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4}
 EXPERT_TENSORS = (".moe.w13", ".moe.w2")  # [E_local, ...] stacked routed experts (and their .scale)

@@ -5,12 +5,9 @@ test compares FlashInfer itself where it is installed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
-from _paths import REPO
+from _paths import REPO, load_script
 
 from mlac.kernels.attention.mla_decode import gather_kv_ref, mla_decode_ref
 from mlac.runtime.model import attention as model_attention
@@ -20,12 +17,7 @@ LENS = [1, 15, 16, 17, 300, 64]  # a single token, page edges, a partial page
 
 @pytest.fixture(scope="module")
 def mp():
-    path = REPO / "benchmarks" / "kernels" / "mla_peers.py"
-    spec = importlib.util.spec_from_file_location("mla_peers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "benchmarks" / "kernels" / "mla_peers.py")
 
 
 @pytest.mark.parametrize("page", [1, 16, 64])

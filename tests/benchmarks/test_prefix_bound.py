@@ -3,12 +3,10 @@ move the way the bound says."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import pytest
-from _paths import REPO
+from _paths import REPO, load_script
 
 from mlac.core.config import ModelConfig
 from mlac.synth.presets import PRESETS
@@ -19,11 +17,7 @@ BENCH = REPO / "benchmarks" / "e2e"
 
 @pytest.fixture(scope="module")
 def pb():
-    spec = importlib.util.spec_from_file_location("prefix_bound", BENCH / "prefix_bound.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH / "prefix_bound.py")
 
 
 @pytest.mark.parametrize("preset", ["v2-lite", "tiny-v3", "tiny-v2"])

@@ -1,5 +1,5 @@
 """`mlac serve` hands the engine's process its config before the server's own process imports the
-HTTP stack, and torch unless --device needs it to ask about CUDA (cli/serve.configure_early): the
+HTTP stack, and torch unless --device needs it to ask about CUDA (cli/serve.py): the
 engine loads while the server imports. What launch.serve refuses before the model loads is
 refused first."""
 

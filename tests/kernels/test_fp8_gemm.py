@@ -51,6 +51,28 @@ def test_act_quant_bit_exact(m, k):
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
+def assert_m_major(q, s, x) -> None:
+    """act_quant(x, m_major=True)'s layout: quantize_act_ref's bits in the first M rows, zero rows
+    (q 0, scale 1) up to M rounded to 4, the scales M-major (strides (1, Mp))."""
+    m, k = x.shape
+    mp = -(-m // 4) * 4
+    rq, rs = gemm_mod.quantize_act_ref(x.cpu())
+    assert q.shape == (mp, k) and q.stride() == (k, 1) and s.shape == (mp, rs.shape[1])
+    assert s.stride() == (1, mp), s.stride()
+    assert torch.equal(q[:m].view(torch.uint8).cpu(), rq.view(torch.uint8))
+    assert torch.equal(s[:m].cpu(), rs)
+    assert not q[m:].view(torch.uint8).any() and bool((s[m:] == 1).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("m,k", [(1, 96), (3, 200), (17, 320), (130, 512), (32, 256)])
+def test_act_quant_m_major_layout(m, k):
+    x, _, _ = _case(m, 8, k, seed=m * 1000 + k + 1)
+    with _util.poisoned_empty():
+        q, s = quant_mod.act_quant(x, m_major=True)
+    assert_m_major(q, s, x)
+
+
 @needs_triton
 @pytest.mark.parametrize("m", [1, 3, 17, 130])
 @pytest.mark.parametrize("n,k", [(96, 200), (200, 256), (320, 384)])
@@ -153,3 +175,4 @@ def test_gpu_act_quant_bit_exact(m, k):
     for rq, rs in (gemm_mod.quantize_act_ref(x.cpu()), gemm_mod.quantize_act_ref(x)):  # CPU, CUDA
         assert torch.equal(s.cpu(), rs.cpu())
         assert torch.equal(q.view(torch.uint8).cpu(), rq.view(torch.uint8).cpu())
+    assert_m_major(*quant_mod.act_quant(x, m_major=True), x)

@@ -222,7 +222,7 @@ def test_flattened_extends_give_the_same_tokens_grouped_and_per_row(artifact, mo
     off, and the grouped form did run."""
     import mlac.runtime.model.attention as forms
     from mlac.runtime.engine.engine import Engine
-    from mlac.runtime.engine.sampling import SamplingParams
+    from mlac.runtime.engine.params import SamplingParams
     from mlac.runtime.worker.graphs import DecodeGraphs
 
     seen: list[bool] = []

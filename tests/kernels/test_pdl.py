@@ -187,7 +187,7 @@ def test_graphs_with_pdl_give_the_logits_of_graphs_without(artifact, preset, fp8
     """PDL changes when kernels start, never what they compute: the same decode steps replayed from
     graphs captured with and without it give identical logits (and so identical tokens)."""
     from mlac.runtime.engine.engine import Engine
-    from mlac.runtime.engine.sampling import SamplingParams
+    from mlac.runtime.engine.params import SamplingParams
     from mlac.runtime.engine.scheduler import SchedulerConfig
     from mlac.runtime.worker.graphs import DecodeGraphs
 

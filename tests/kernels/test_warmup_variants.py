@@ -1,6 +1,7 @@
 """The warm-up meets every Triton kernel variant that an eager step of 1..max_tokens tokens picks
-(kernels/step_variants.py): the FP8 GEMM's decode tiles and M class, the grouped FP8 MoE's K splits,
-the reduce's BLOCK_T, the skinny GEMM and the router.
+(kernels/step_variants.py): the FP8 GEMM's decode tiles and M class (or, where a product takes
+cuBLAS, act_quant's m_major layout), the grouped FP8 MoE's K splits, the reduce's BLOCK_T, the
+skinny GEMM and the router.
 
 On CPU the kernels' wrappers run on meta tensors (real DeepSeek shapes, nothing allocated) with every
 kernel replaced by a recorder: what each launch would compile (its constexprs, the class of each
@@ -18,7 +19,8 @@ import torch
 from mlac.core.fp8 import BLOCK, FP8
 from mlac.kernels import fp8_quant
 from mlac.kernels.fp8_quant import Fp8Act
-from mlac.kernels.gemm import fp8_gemm, gemv, gemv_configs
+from mlac.kernels.gemm import fp8_cublas, fp8_gemm, gemv, gemv_configs
+from mlac.kernels.gemm.fp8_cublas import cublas_takes
 from mlac.kernels.gemm.fp8_gemm import int_class
 from mlac.kernels.moe import align as moe_align
 from mlac.kernels.moe import decode as moe_decode
@@ -82,18 +84,21 @@ V3_NARROW = dict(
 MODELS = {"v3": V3, "v2-lite": V2_LITE, "v3-narrow": V3_NARROW}
 
 
-def shapes_of(model: dict, fp8: bool, sms: int) -> StepShapes:
-    """The step shapes of `model`; with linears=() its MoE layers alone."""
+def shapes_of(model: dict, fp8: bool, sms: int, cublas: bool = False) -> StepShapes:
+    """The step shapes of `model`; with linears=() its MoE layers alone. `cublas`: its FP8 linears
+    take cuBLAS where fp8_cublas.cublas_takes (StepShapes.fp8_cublas)."""
     linears = model["linears"]
-    return StepShapes(sms, linears if fp8 else (), () if fp8 else linears, MoeShape(*model["moe"], fp8))
+    moe = MoeShape(*model["moe"], fp8)
+    return StepShapes(sms, linears if fp8 else (), () if fp8 else linears, moe, fp8_cublas=cublas)
 
 
 CASES = [(name, fp8, sms) for name in ("v3", "v2-lite") for fp8 in (True, False) for sms in (132, 78)]
+CASES += [("v3", True, 132, True), ("v2-lite", True, 132, True)]  # the FP8 linears partly on cuBLAS
 
 
-@pytest.mark.parametrize("name, fp8, sms", CASES)
-def test_every_step_size_picks_only_variants_the_counts_pick(name, fp8, sms):
-    shapes = shapes_of(MODELS[name], fp8, sms)
+@pytest.mark.parametrize("name, fp8, sms, cublas", [(*c, False)[:4] for c in CASES])
+def test_every_step_size_picks_only_variants_the_counts_pick(name, fp8, sms, cublas):
+    shapes = shapes_of(MODELS[name], fp8, sms, cublas)
     counts = warmup_token_counts(shapes, 8192)
     met = {v for t in counts for v in step_variants(t, shapes)}
     for t in range(1, 8193):
@@ -110,6 +115,9 @@ def test_the_counts_of_v3_and_v2_lite():
     # GEMM's M class 16)
     assert warmup_token_counts(v3_fp8, 8192) == [1, 2, 3, 16, 17, 32, 33, 48, 65, 80, 257, 272, 769, 3073]
     assert warmup_token_counts(v2_lite_bf16, 2048) == [1, 2, 3, 5, 257, 1025, 1366]
+    # every V3 FP8 linear takes cuBLAS above 64 rows: no prefill tiles of fp8_gemm (257, 272) to meet
+    v3_cublas = shapes_of(V3, True, 132, cublas=True)
+    assert warmup_token_counts(v3_cublas, 8192) == [1, 2, 3, 16, 17, 32, 33, 48, 65, 80, 769, 3073]
 
 
 def test_the_moe_configs_largest_counts_miss_a_split_k_variant():
@@ -163,6 +171,11 @@ def launches(monkeypatch):
         for name, obj in list(vars(mod).items()):
             if name.endswith("_kernel") and hasattr(obj, "arg_names"):
                 monkeypatch.setattr(mod, name, Recorder(name, obj, seen))
+
+    def scaled_mm(a, b, *args, out_dtype=None, **kwargs):  # cuBLAS: no Triton variant, a meta result
+        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     yield seen
     gemv_configs.pick_config.cache_clear()  # configs planned for a patched SM count
 
@@ -174,14 +187,19 @@ def on_sms(monkeypatch, sms: int) -> None:
     gemv_configs.pick_config.cache_clear()  # and again after the test (`launches`)
 
 
-def run_step(t: int, model: dict, fp8: bool) -> None:
-    """The kernels of a model step of t tokens, as the layers call them, on meta tensors."""
+def run_step(t: int, model: dict, fp8: bool, cublas: bool = False) -> None:
+    """The kernels of a model step of t tokens, as the layers call them, on meta tensors; `cublas`:
+    the FP8 linears take cuBLAS where cublas_takes (torch._scaled_mm patched by `launches`)."""
     meta = dict(device="meta")
     for n, k in model["linears"]:  # () for the MoE alone
         x = torch.empty(t, k, dtype=torch.bfloat16, **meta)
         if fp8:
+            w = torch.empty(n, k, dtype=FP8, **meta)
             scale = torch.empty(-(-n // BLOCK), -(-k // BLOCK), dtype=torch.float32, **meta)
-            fp8_gemm.fp8_gemm(x, torch.empty(n, k, dtype=FP8, **meta), scale)
+            if cublas and cublas_takes(t, n, k):
+                fp8_cublas.cublas_fp8_linear(x, w, scale, use_triton=True)
+            else:
+                fp8_gemm.fp8_gemm(x, w, scale)
         elif gemv_configs.skinny_applies(x, w := torch.empty(n, k, dtype=torch.bfloat16, **meta), None):
             gemv.skinny_linear(x, w)
     e, top_k, d, i = model["moe"]
@@ -199,29 +217,39 @@ def run_step(t: int, model: dict, fp8: bool) -> None:
 
 
 WRAPPER_CASES = [
-    ("v3", True, 132),
-    ("v3", True, 78),
-    ("v3", False, 132),
-    ("v2-lite", True, 132),
-    ("v2-lite", False, 78),
+    ("v3", True, 132, False),
+    ("v3", True, 78, False),
+    ("v3", False, 132, False),
+    ("v2-lite", True, 132, False),
+    ("v2-lite", False, 78, False),
+    ("v3", True, 132, True),  # the FP8 linears on cuBLAS where cublas_takes
+    ("v2-lite", True, 132, True),  # some of them (w2 and the shared w2 stay on fp8_gemm)
 ]
-WRAPPER_CASES += [("v3-narrow", True, 132), ("v3-narrow-moe", True, 132)]  # its splits change at 9 and 17
+WRAPPER_CASES += [
+    ("v3-narrow", True, 132, False),
+    ("v3-narrow-moe", True, 132, False),
+]  # splits change at 9, 17
 MODELS["v3-narrow-moe"] = {**V3_NARROW, "linears": ()}  # alone: no other variant changes with them
 
 
-@pytest.mark.parametrize("name, fp8, sms", WRAPPER_CASES)
-def test_the_counts_launch_every_kernel_variant_a_step_launches(name, fp8, sms, launches, monkeypatch):
+@pytest.mark.parametrize("name, fp8, sms, cublas", WRAPPER_CASES)
+def test_the_counts_launch_every_kernel_variant_a_step_launches(
+    name, fp8, sms, cublas, launches, monkeypatch
+):
     model, max_tokens = MODELS[name], 1024
     on_sms(monkeypatch, sms)
-    counts = warmup_token_counts(shapes_of(model, fp8, sms), max_tokens)
+    counts = warmup_token_counts(shapes_of(model, fp8, sms, cublas), max_tokens)
     for t in counts:
-        run_step(t, model, fp8)
+        run_step(t, model, fp8, cublas)
     met, kernels = set(launches), {key[0] for key in launches}
     assert {"_moe_gemm_kernel", "_moe_reduce_kernel", "_router_kernel"} <= kernels
     assert ("_fp8_gemm_kernel" in kernels) == (fp8 and bool(model["linears"]))
+    # act_quant's m_major layout (scales M-major: stride_sm 1 over several groups) where cuBLAS takes a product
+    quant = [dict(key[1]) for key in met if key[0] == "_act_quant_kernel"]
+    assert any(q["stride_sm"] == "1" and q["groups"] != "1" for q in quant) == cublas
     for t in range(1, max_tokens + 1):
         launches.clear()
-        run_step(t, model, fp8)
+        run_step(t, model, fp8, cublas)
         missed = [key for key in launches if key not in met]
         assert not missed, f"a step of {t} tokens launches a variant no warm-up count launches: {missed[0]}"
 

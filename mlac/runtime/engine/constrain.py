@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mlac.core.errors import MlacError
-from mlac.runtime.engine.params import KINDS, GrammarKind, GrammarSpec, InvalidGrammar  # noqa: F401  (re-exported)
+from mlac.runtime.engine.params import GrammarSpec, InvalidGrammar
 
 if TYPE_CHECKING:
     from mlac.runtime.engine.tokenizer import Tokenizer

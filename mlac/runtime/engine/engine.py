@@ -33,9 +33,10 @@ from mlac.kernels.gemm.gemv_configs import DENSE_DTYPES
 from mlac.kernels.step_variants import MoeShape, StepShapes, warmup_token_counts
 from mlac.runtime.engine.constrain import Grammars
 from mlac.runtime.engine.options import EngineOptions
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.penalties import Penalties, check_logit_bias
 from mlac.runtime.engine.prompt_logprobs import check_prompt_logprobs
-from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, make_generator
+from mlac.runtime.engine.sampling import TokenLogprob, make_generator
 from mlac.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from mlac.runtime.engine.sequence import Delta, FinishReason
 from mlac.runtime.engine.sequence import Sequence as Seq
@@ -319,6 +320,7 @@ class Engine:
             fp8_linears=tuple(sorted((n, k) for n, k, dtype in linears if dtype == FP8)),
             dense_linears=tuple(sorted((n, k) for n, k, dtype in linears if dtype in DENSE_DTYPES)),
             moe=None if moe is None else self._moe_shape(moe),
+            fp8_cublas=any(m.cublas for m in mods),
         )
         return warmup_token_counts(shapes, max_tokens)
 

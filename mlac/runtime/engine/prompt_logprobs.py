@@ -16,7 +16,8 @@ import itertools
 
 import torch
 
-from mlac.runtime.engine.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob, to_device
+from mlac.runtime.engine.params import InvalidSamplingParams, SamplingParams
+from mlac.runtime.engine.sampling import TokenLogprob, to_device
 
 
 def check_prompt_logprobs(params: SamplingParams, speculative_num_steps: int) -> None:

@@ -17,13 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlac.runtime.engine.params import (  # noqa: F401  (SamplingParams and the limits: re-exported)
-    GREEDY_BELOW,
-    MAX_LOGPROBS,
-    TOP_K_MAX,
-    InvalidSamplingParams,
-    SamplingParams,
-)
+from mlac.runtime.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -74,13 +68,87 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
+TOP_K_CANDIDATES = 1024  # top-k by torch.topk up to this k (and top-p among its candidates); a sort above
+
+
+def filter_rows(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """x [R, V] float32 logits (after temperature), each row's top_k (0: off) and top_p (1: off) as
+    host values -> x with the filtered tokens at -inf, as apply_top_k then apply_top_p would leave it.
+
+    Only what some row asks for runs: no sort where every row keeps every token (top_k 0, top_p 1:
+    OpenAI's defaults). Top-k takes the k largest by torch.topk at the batch's largest k up to
+    TOP_K_CANDIDATES, and top-p then works among those candidates when every row that asks for it
+    also asks for a top-k (the tokens outside are at -inf: probability 0, nothing to sort). Else
+    top-p sorts its own rows alone. Ties at a cut fall as the sort (or topk) orders them, as before."""
+    v = x.shape[-1]
+    ks = [int(k) if 0 < k < v else 0 for k in top_k]  # a k of V or more keeps every token: off
+    p_rows = [j for j, p in enumerate(top_p) if p < 1.0]
+    cand = None  # (values, indices) [R, kmax]: each row's largest, descending
+    if any(ks):
+        kmax = max(ks)
+        k_dev = to_device([k or kmax for k in ks], torch.int64, x.device)  # [R]; off: the last candidate
+        if kmax <= TOP_K_CANDIDATES:
+            cand = x.topk(kmax, dim=-1)
+            kth = cand.values.gather(1, (k_dev - 1)[:, None])  # [R, 1]
+        else:
+            kth = x.sort(dim=-1, descending=True).values.gather(1, (k_dev - 1)[:, None])
+        off = to_device([k == 0 for k in ks], torch.bool, x.device)[:, None]
+        x = x.masked_fill((x < kth) & ~off, float("-inf"))
+    if not p_rows:
+        return x
+    if cand is not None and all(ks[j] > 0 for j in p_rows):
+        values = cand.values.masked_fill(cand.values < kth, float("-inf"))  # beyond each row's k
+        return x.masked_fill(_top_p_drop(values, cand.indices, top_p, x), float("-inf"))
+    rows = to_device(p_rows, torch.int64, x.device)
+    sub = apply_top_p(x.index_select(0, rows), to_device([top_p[j] for j in p_rows], torch.float32, x.device))
+    return x.index_copy(0, rows, sub)
+
+
+def _top_p_drop(
+    values: torch.Tensor, order: torch.Tensor, top_p: Sequence[float], x: torch.Tensor
+) -> torch.Tensor:
+    """The tokens top-p drops, [R, V] bool, from each row's top-k candidates in descending order
+    (values [R, C] with those beyond the row's k at -inf, their token ids `order`): apply_top_p's
+    rule over the candidates, in the rows with a top_p under 1 (their tokens outside the candidates
+    dropped too: ties at the k-th value beyond C); the other rows drop nothing here."""
+    probs = values.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely candidates
+    cut = to_device([p if p < 1.0 else float("inf") for p in top_p], torch.float32, x.device)[:, None]
+    keep_sorted = mass_before < cut
+    keep_sorted[:, 0] = True  # always keep the most likely token
+    keep = torch.zeros_like(x, dtype=torch.bool).scatter(1, order, keep_sorted)
+    return ~keep & (cut < float("inf"))
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """probs [R, V] -> one token id per row [R] int64, by the exponential race that torch.multinomial
+    runs for one sample (argmax of probs / q, q ~ Exp(1)) with all rows in one launch. A seeded row's
+    q comes from its own generator, drawn as torch.multinomial(probs[j], 1, generator=g) draws it:
+    the same token, whatever shares the batch. Unseeded rows share one draw of the global generator.
+    ValueError (naming the rows) where a row is not a distribution (NaN, inf, negative, all zero),
+    as torch.multinomial refuses one: one wait for the device per call, where torch.multinomial
+    waited twice per row."""
+    q = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for j, g in enumerate(generators):
+        if g is not None:  # a fresh [V] draw, as torch.multinomial's own (then the row's copy)
+            q[j].copy_(torch.empty_like(probs[j]).exponential_(generator=g))
+    ok = (probs >= 0).all(dim=-1) & (probs < float("inf")).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().flatten().tolist()
+        raise ValueError(f"rows {bad}: the probabilities hold inf, nan or a negative value, or sum to 0")
+    return (probs / q).argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
     """logits [B, V] float32, one SamplingParams and generator per row -> token ids [B] int64 on the
-    logits' device. Queues device work only: nothing here waits for the device."""
+    logits' device. Greedy rows take the argmax; the others, together: temperature, top-k, top-p
+    (filter_rows), min-p, softmax and one draw (draw), a fixed number of launches whatever B."""
     if not (logits.shape[0] == len(params) == len(generators)):
         raise ValueError(
             f"sample: {logits.shape[0]} rows, {len(params)} params, {len(generators)} generators"
@@ -94,16 +162,14 @@ def sample(
     def per_row(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return to_device([getattr(params[i], name) for i in rows], dtype, dev)
 
-    x = logits if len(rows) == len(params) else logits.index_select(0, to_device(rows, torch.int64, dev))
+    picked = to_device(rows, torch.int64, dev)
+    x = logits if len(rows) == len(params) else logits.index_select(0, picked)
     x = x.float() / per_row("temperature")[:, None]  # [R, V]; temperature >= GREEDY_BELOW here
-    x = apply_top_k(x, per_row("top_k", torch.int64))  # top_k <= TOP_K_MAX: fits int64, capped at V
-    x = apply_top_p(x, per_row("top_p"))
+    x = filter_rows(x, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     if any(params[i].min_p > 0 for i in rows):
         x = apply_min_p(x, per_row("min_p"))
-    probs = x.softmax(dim=-1)
-    for j, i in enumerate(rows):
-        out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    return out
+    ids = draw(x.softmax(dim=-1), [generators[i] for i in rows])
+    return out.index_copy(0, picked, ids)
 
 
 def sample_apart(

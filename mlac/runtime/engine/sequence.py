@@ -20,8 +20,9 @@ from typing import Literal
 import torch
 
 from mlac.runtime.engine.constrain import Matcher, mask_logits
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.penalties import Penalties, PenaltyStep
-from mlac.runtime.engine.sampling import SamplingParams, TokenLogprob, sample_apart, token_logprobs
+from mlac.runtime.engine.sampling import TokenLogprob, sample_apart, token_logprobs
 from mlac.runtime.engine.tokenizer import IncrementalDetokenizer
 from mlac.runtime.kvcache.radix import Node
 

@@ -7,6 +7,7 @@ tensor contract (artifacts/README.md). Nothing here transforms a weight: the com
 from __future__ import annotations
 
 import enum
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +17,13 @@ from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.core.rope import rope_parameters
 from mlac.kernels.fp8_quant import Fp8Act, use_triton
+from mlac.kernels.gemm.fp8_cublas import cublas_fp8_linear, cublas_takes, cublas_unavailable
 from mlac.kernels.gemm.fp8_gemm import FP8, fp8_linear
 from mlac.kernels.gemm.gemv import skinny_linear
 from mlac.kernels.gemm.gemv_configs import skinny_applies
 from mlac.kernels.norm_rope import rms_norm, rms_norm_quant
+
+log = logging.getLogger("mlac.runtime")
 
 
 class Weights:
@@ -75,6 +79,10 @@ class Linear(nn.Module):
     through the skinny GEMM instead where gemv_configs.skinny_applies says it is the faster path
     (kernels/gemm/gemv.py: one launch that streams W, same numerics up to summation order). M is
     fixed per CUDA-graph bucket, so the choice is fixed at capture.
+
+    An FP8 Linear whose `cublas` is set (once, by route_fp8_linears, when the model is built) runs
+    the products that fp8_cublas.cublas_takes from their rows and shape through cuBLAS's
+    block-scaled GEMM (same contract, summation order only); the others keep the Triton GEMM.
     """
 
     def __init__(self, weights: Weights, name: str):
@@ -82,6 +90,7 @@ class Linear(nn.Module):
         weight, scale = take_weight(weights, name)
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
+        self.cublas = False  # FP8 products may run through cuBLAS (route_fp8_linears)
 
     @property
     def fp8(self) -> bool:
@@ -91,6 +100,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:  # [..., in] -> [..., out] in x.dtype
         if self._skinny(x):
             return skinny_linear(x, self.weight, self.scale)
+        if self._cublas(x):
+            return cublas_fp8_linear(x, self.weight, self.scale)
         if self.scale is not None:
             return fp8_linear(x, self.weight, self.scale, out_dtype=x.dtype)
         assert not isinstance(x, Fp8Act), "an Fp8Act feeds only FP8 weights"
@@ -100,6 +111,26 @@ class Linear(nn.Module):
         """Whether x goes to the skinny GEMM (the one place that decides)."""
         a = x.q if isinstance(x, Fp8Act) else x
         return skinny_applies(x, self.weight, self.scale) and use_triton(a)
+
+    def _cublas(self, x: torch.Tensor | Fp8Act) -> bool:
+        """Whether x goes to cuBLAS: a fixed field, x's dtype (bf16, the model's) and its row count
+        M, so one CUDA-graph bucket (M rows) takes the same path at capture and at every replay."""
+        a = x.q if isinstance(x, Fp8Act) else x
+        rows = a.numel() // max(1, a.shape[-1])
+        return self.cublas and x.dtype == torch.bfloat16 and cublas_takes(rows, *self.weight.shape)
+
+
+def route_fp8_linears(model: nn.Module, cublas: bool, device: torch.device, dtype: torch.dtype) -> None:
+    """Set, once, while `model` is built, which FP8 Linears in it may run through cuBLAS: all, when
+    `cublas` (ModelOptions.fp8_cublas) and cuBLAS's block scaling serves this device and compute
+    dtype (fp8_cublas.cublas_unavailable, decided without a launch), else none. Logs which."""
+    why = "off (ModelOptions.fp8_cublas)" if not cublas else cublas_unavailable(device, dtype)
+    fp8 = [m for m in model.modules() if isinstance(m, Linear) and m.fp8]
+    for lin in fp8:
+        lin.cublas = why is None
+    if fp8:
+        routed = "cuBLAS where fp8_cublas.cublas_takes, Triton elsewhere"
+        log.info("FP8 linears: %s", routed if why is None else f"Triton (cuBLAS block scaling: {why})")
 
 
 class Reads(enum.Enum):

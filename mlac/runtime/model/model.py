@@ -45,7 +45,16 @@ from mlac.runtime.model.attention import (
     prefer_shared,
 )
 from mlac.runtime.model.dp_attention import TokenExchange
-from mlac.runtime.model.layers import Linear, Reads, RMSNorm, RotaryEmbedding, Weights, reads_of, take_weight
+from mlac.runtime.model.layers import (
+    Linear,
+    Reads,
+    RMSNorm,
+    RotaryEmbedding,
+    Weights,
+    reads_of,
+    route_fp8_linears,
+    take_weight,
+)
 from mlac.runtime.model.options import DEFAULTS, ModelOptions
 from mlac.runtime.model.parallel import (
     SINGLE,
@@ -390,6 +399,7 @@ class DeepseekModel(nn.Module):
             MTPLayer(config, weights, k, (self.embed, self.head), ctx, options) for k in range(n_mtp)
         )
         weights.finish()
+        route_fp8_linears(self, options.fp8_cublas, self.device, self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -437,3 +447,9 @@ class DeepseekModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] float32 (the whole vocabulary, all-gathered on every rank)."""
         return self.head(hidden).float()
+
+    def logits_into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
+        """logits(hidden) written into `out` [N, V] float32 (a CUDA graph's buffer): the head's output
+        cast in the copy, one pass, where .float() then copy_ made a float32 temporary (measured on
+        one H100 at 256 rows: 157 against 61 us for V2-Lite's vocabulary)."""
+        out.copy_(self.head(hidden))

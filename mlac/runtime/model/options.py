@@ -20,10 +20,14 @@ class ModelOptions(Options):
     attends to all of its tokens in the plain extend.
     `fused_mla_out`: the absorbed decode's last head_bmm merges the split-KV partials (up to
     attention.FUSED_MERGE_MAX_SPLITS splits) and, for an FP8 `wo`, writes wo's quantized input;
-    off, the merge kernel and wo's act_quant run as launches of their own."""
+    off, the merge kernel and wo's act_quant run as launches of their own.
+    `fp8_cublas`: FP8 linears run through cuBLAS's block-scaled GEMM at the rows and shapes where
+    it was measured faster (kernels/gemm/fp8_cublas.py: from 32 rows), where this GPU, torch and
+    compute dtype have it; off, mlac's Triton GEMM at every row count."""
 
     shared_prefix: bool = True
     fused_mla_out: bool = True
+    fp8_cublas: bool = True
 
 
 DEFAULTS = ModelOptions()  # what a server runs

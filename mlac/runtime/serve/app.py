@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlac.core.errors import MlacError
 from mlac.core.version import __version__
-from mlac.runtime.engine.constrain import GrammarSpec
 from mlac.runtime.engine.generation_config import sampling_defaults
+from mlac.runtime.engine.params import GrammarSpec
 from mlac.runtime.engine.sequence import Sequence
 from mlac.runtime.engine.tokenizer import FinalMessageNotFound
 from mlac.runtime.serve.body import read_body

@@ -26,9 +26,9 @@ from mlac.core.artifact import TOKENIZER_DIR, Manifest
 from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.constrain import Grammars
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.penalties import check_logit_bias
 from mlac.runtime.engine.prompt_logprobs import check_prompt_logprobs
-from mlac.runtime.engine.sampling import SamplingParams
 from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.serve.config import ServerConfig
 from mlac.runtime.serve.engine_errors import EngineDead, ShuttingDown, check_room, decode_error

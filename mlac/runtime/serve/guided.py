@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlac.runtime.engine.constrain import GrammarSpec
+from mlac.runtime.engine.params import GrammarSpec
 
 
 class StructuredOutputs(BaseModel):

@@ -40,7 +40,7 @@ from mlac.runtime.serve.engine_start import (  # noqa: F401  (load_engine, start
     startup_line,
 )
 from mlac.runtime.serve.head_limit import HeadLimitedHttpTools
-from mlac.runtime.serve.port import check_port
+from mlac.runtime.serve.preflight import refuse_before_load
 
 log = logging.getLogger("mlac.server")
 
@@ -137,12 +137,7 @@ def close_engine(state: ServerState) -> None:
 def serve(config: ServerConfig, log_level: str = "info", process: Any = None) -> None:
     """Run the server until SIGTERM / Ctrl-C (blocking). A model that fails to load is an MlacError.
     `process`: the engine's process, started early (engine_process.EngineProcess.start)."""
-    from mlac.core.artifact import Manifest
-    from mlac.runtime.engine.generation_config import sampling_defaults
-
-    Manifest.load(config.artifact)  # a bad artifact fails here, before the port is opened
-    sampling_defaults(config.artifact, config.generation_config)  # a bad --generation-config too
-    check_port(config.host, config.port)  # and a busy port, before the model loads
+    refuse_before_load(config)  # a bad artifact, --generation-config or busy port: before the model loads
     log_to_stderr(log_level)
     log.info(config.summary())
     if (changed := settings.summary()) is not None:  # the MLAC_* settings not at their default, masked

@@ -29,9 +29,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mlac.runtime.engine.constrain import GrammarSpec, InvalidGrammar
 from mlac.runtime.engine.generation_config import SamplingDefaults
-from mlac.runtime.engine.sampling import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
+from mlac.runtime.engine.params import (
+    MAX_LOGPROBS,
+    GrammarSpec,
+    InvalidGrammar,
+    InvalidSamplingParams,
+    SamplingParams,
+)
 from mlac.runtime.engine.sequence import Sequence
 from mlac.runtime.serve.guided import GuidedError, StructuredOutputs, grammar_of
 

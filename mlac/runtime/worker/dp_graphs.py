@@ -55,7 +55,7 @@ class DPDecodeGraphs(DecodeGraphs):
         ids = self.all_ids[:, :bs].reshape(n * bs)  # rank r's rows at r·bs
         exchange = TokenExchange((bs,) * n, self.dp.rank, self.dp.group)
         hidden = self.model(ids, batch, self.cache, exchange)  # [bs, D]: this rank's rows
-        self.logits[: n * bs].copy_(self.model.logits(exchange.gather(hidden)))  # [N·bs, V]
+        self.model.logits_into(exchange.gather(hidden), self.logits[: n * bs])  # [N·bs, V]
 
     def fits(self, step: Step) -> bool:
         """Logits of each sequence's last new token, at most max_bs rows on every rank."""

@@ -334,7 +334,7 @@ class DecodeGraphs:
         if mla is not None:  # planned already (capture, _replay): outside any capture
             batch = replace(batch, paged_mla=mla)
         hidden = self.model(ids, batch, self.cache)
-        self.logits[:bs].copy_(self.model.logits(hidden))
+        self.model.logits_into(hidden, self.logits[:bs])
         if self.hidden is not None:
             self.hidden[:bs].copy_(hidden)
 

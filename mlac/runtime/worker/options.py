@@ -31,7 +31,8 @@ ATTENTION_BACKENDS = ("triton", "flashinfer")  # SGLang's --attention-backend na
 @dataclass(frozen=True)
 class RuntimeOptions(Options):
     """How a rank runs an artifact: on `device` in the compute `dtype` (its name, "bfloat16"; a
-    torch.dtype given is kept by its name; `torch_dtype` is the torch.dtype), its files checked for size and, with `verify`, sha256; the artifact's kernel
+    torch.dtype given is kept by its name; `torch_dtype` is the torch.dtype), its files checked for
+    size and, with `verify`, sha256; the artifact's kernel
     cache of this GPU used (`kernel_cache`, see kernel_cache.use_kernel_cache). The KV cache's
     size (`num_blocks`, else `kv_cache_bytes`, as build.make_cache; on CUDA with neither, the
     memory plan under `gpu_memory_utilization`, see start.plan_kv), the longest context

@@ -21,7 +21,7 @@ from mlac.runtime.dist.step_link import FedStep, decode, encode_step
 from mlac.runtime.engine import overlap as overlap_mod
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.engine.overlap import can_overlap
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.step import Step
 from mlac.runtime.worker import distributed as distributed_mod

@@ -10,7 +10,7 @@ import torch
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 
 PROMPTS = [list(range(30, 41)), list(range(100, 103)), list(range(200, 222))]

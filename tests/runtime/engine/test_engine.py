@@ -8,7 +8,7 @@ import torch
 import mlac
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.engine import Completion, Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 
 PROMPT = "The morning train left the station"
 

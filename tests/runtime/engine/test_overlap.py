@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from mlac.core.errors import MlacError
 from mlac.runtime.engine import overlap as overlap_mod
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.engine.sequence import Sequence
 

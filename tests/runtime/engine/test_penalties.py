@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.params import InvalidSamplingParams, SamplingParams
 from mlac.runtime.engine.penalties import Penalties, PenaltyStep
-from mlac.runtime.engine.sampling import InvalidSamplingParams, SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 
 EOS = (1,)

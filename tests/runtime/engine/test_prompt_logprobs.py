@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mlac.runtime.engine.engine import Engine
+from mlac.runtime.engine.params import InvalidSamplingParams, SamplingParams
 from mlac.runtime.engine.prompt_logprobs import check_prompt_logprobs
-from mlac.runtime.engine.sampling import InvalidSamplingParams, SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 
 TEXT = (

@@ -15,10 +15,9 @@ from _cli import invoke
 
 from mlac.core.errors import MlacError
 from mlac.runtime.engine import constrain, sampling
-from mlac.runtime.engine.constrain import GrammarSpec, InvalidGrammar
 from mlac.runtime.engine.engine import Engine
 from mlac.runtime.engine.overlap import Overlap
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import GrammarSpec, InvalidGrammar, SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.engine.sequence import Sequence
 

@@ -7,7 +7,8 @@ import torch
 
 import mlac
 from mlac.core.errors import MlacError
-from mlac.runtime.engine.sampling import SamplingParams, apply_top_k, apply_top_p, make_generator, sample
+from mlac.runtime.engine.params import SamplingParams
+from mlac.runtime.engine.sampling import apply_top_k, apply_top_p, make_generator, sample
 
 
 @pytest.mark.parametrize(

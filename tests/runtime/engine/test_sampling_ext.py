@@ -9,15 +9,8 @@ import pytest
 import torch
 
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import (
-    MAX_LOGPROBS,
-    InvalidSamplingParams,
-    SamplingParams,
-    apply_min_p,
-    make_generator,
-    sample,
-    token_logprobs,
-)
+from mlac.runtime.engine.params import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
+from mlac.runtime.engine.sampling import apply_min_p, make_generator, sample, token_logprobs
 
 
 @pytest.mark.parametrize(

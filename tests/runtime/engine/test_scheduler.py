@@ -14,7 +14,7 @@ from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.kernels.attention.mla_decode import mla_decode_ref
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.kvcache.paged import PagedKVCache
 

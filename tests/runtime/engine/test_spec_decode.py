@@ -13,7 +13,7 @@ import torch
 
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from mlac.runtime.worker.spec_exec import SpecExecutor
 
@@ -306,7 +306,7 @@ def test_a_grammar_request_is_not_speculated_and_keeps_its_mask(plain, artifact)
     grammar; the unconstrained requests of the same batch still speculate. Same outputs as plain."""
     import json
 
-    from mlac.runtime.engine.constrain import GrammarSpec
+    from mlac.runtime.engine.params import GrammarSpec
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}  # fmt: skip

@@ -15,7 +15,7 @@ from test_spec_chain import graph_engine
 from test_spec_decode import oracle, prompts, run
 
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.worker.spec_chain import ChainGraphs
 from mlac.runtime.worker.spec_exec import SpecExecutor
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.engine.spec.sampling import accept_greedy, accept_sampled, filtered_probs
 

@@ -15,16 +15,9 @@ import pytest
 import torch
 from _paths import REPO
 
-from mlac.runtime.engine.constrain import (
-    Grammars,
-    GrammarSpec,
-    InvalidGrammar,
-    mask_logits,
-    token_bitmask,
-    unpack_bits,
-)
+from mlac.runtime.engine.constrain import Grammars, mask_logits, token_bitmask, unpack_bits
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import GrammarSpec, InvalidGrammar, SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.serve import ServerConfig, ServerThread
 

@@ -12,7 +12,7 @@ import torch
 
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.kvcache.blocks import BlockAllocator
 from mlac.runtime.kvcache.radix import PrefixCache

@@ -12,7 +12,7 @@ import torch
 
 import mlac.runtime.model.model as model_mod
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.kvcache import shared_prefix
 from mlac.runtime.kvcache.batch import ForwardBatch

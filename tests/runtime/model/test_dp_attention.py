@@ -17,7 +17,7 @@ from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.dp_route import route
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.kvcache.pool import BlockPool
 from mlac.runtime.model.dp_attention import rows_per_rank

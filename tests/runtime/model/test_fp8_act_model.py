@@ -17,7 +17,7 @@ import mlac.runtime.model.model as model_mod
 from mlac.kernels.activation import silu_mul
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.model.layers import Reads, RMSNorm
 from mlac.runtime.model.model import MoE
 

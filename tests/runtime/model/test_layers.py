@@ -1,16 +1,22 @@
-"""Layers: YaRN parameters and rope against transformers, RMSNorm, Linear's FP8 dispatch, Weights."""
+"""Layers: YaRN parameters and rope against transformers, RMSNorm, Linear's FP8 dispatch (the
+Triton GEMM, or cuBLAS from the rows fp8_cublas.cublas_takes), Weights."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 from _hf_convert import raw_config
+from test_fp8_cublas import emulated, small_weights  # noqa: F401  (fixtures)
 
 from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
 from mlac.core.fp8 import FP8, FP8_MAX, dequantize_blocks, expand_block_scale
 from mlac.core.rope import rope_parameters
-from mlac.kernels.gemm.fp8_gemm import fp8_linear_ref
+from mlac.kernels.fp8_quant import Fp8Act
+from mlac.kernels.gemm.fp8_gemm import fp8_linear_ref, quantize_act_ref
+from mlac.runtime.model import layers
 from mlac.runtime.model.layers import Linear, RMSNorm, RotaryEmbedding, Weights, apply_rope
 
 YARN_CASES = {
@@ -120,3 +126,65 @@ def test_weights_are_taken_exactly_once():
         w.take("a")
     with pytest.raises(MlacError, match="does not use: b"):
         w.finish()
+
+
+# ---- the cuBLAS route of FP8 Linears (kernels/gemm/fp8_cublas.py) ----------------------------------
+
+
+@pytest.fixture
+def cublas_calls(emulated, small_weights, monkeypatch) -> list[tuple[int, bool]]:  # noqa: F811
+    """layers.cublas_fp8_linear spied ((rows, reads an Fp8Act) of each call), torch._scaled_mm
+    emulated on the CPU (test_fp8_cublas.emulated)."""
+    calls: list[tuple[int, bool]] = []
+    real = layers.cublas_fp8_linear
+
+    def spy(x, w, scale):
+        a = x.q if isinstance(x, Fp8Act) else x
+        calls.append((a.numel() // a.shape[-1], isinstance(x, Fp8Act)))
+        return real(x, w, scale)
+
+    monkeypatch.setattr(layers, "cublas_fp8_linear", spy)
+    return calls
+
+
+def fp8_linear_of(n: int, k: int) -> Linear:
+    g = torch.Generator().manual_seed(n + k)
+    return Linear(
+        Weights(dict(zip(("w", "w.scale"), quantize_blocks(torch.randn(n, k, generator=g)), strict=True))),
+        "w",
+    )
+
+
+@pytest.mark.parametrize("n, k", [(640, 512), (256, 512)])  # N >= K: from 32 rows; N < K: above 64
+def test_fp8_linear_takes_cublas_where_the_rule_says(cublas_calls, n, k):
+    lin = fp8_linear_of(n, k)
+    lin.cublas = True
+    first = 32 if n >= k else 65
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 16, 31, 32, 64, 65, 257):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        y = lin(x)
+        want = fp8_linear_ref(x, lin.weight, lin.scale, out_dtype=x.dtype)
+        assert y.shape == (m, n) and (y - want).float().norm() <= 1e-2 * want.float().norm()
+    assert cublas_calls == [(m, False) for m in (32, 64, 65, 257) if m >= first]
+    cublas_calls.clear()
+    x3 = torch.randn(3, 33, k, generator=g).to(torch.bfloat16)  # [B, T, K]: 99 rows
+    act = Fp8Act(*quantize_act_ref(x3.view(99, k)), torch.bfloat16)
+    assert lin(x3).shape == (3, 33, n) and lin(act).shape == (99, n)
+    assert cublas_calls == [(99, False), (99, True)]
+    lin.cublas = False  # the field, not the rows alone, opens the route
+    lin(x3)
+    assert cublas_calls == [(99, False), (99, True)]
+
+
+def test_route_fp8_linears_sets_the_field_once_from_the_device(monkeypatch, caplog):
+    fp8, dense = fp8_linear_of(640, 512), Linear(Weights({"w": torch.randn(64, 64)}), "w")
+    model = torch.nn.ModuleList([fp8, dense])
+    with caplog.at_level(logging.INFO, logger="mlac.runtime"):
+        layers.route_fp8_linears(model, True, torch.device("cpu"), torch.bfloat16)
+    assert not fp8.cublas and "cuBLAS block scaling: cpu device" in caplog.text
+    monkeypatch.setattr(layers, "cublas_unavailable", lambda device, dtype: None)
+    layers.route_fp8_linears(model, True, torch.device("cpu"), torch.bfloat16)
+    assert fp8.cublas and not dense.cublas
+    layers.route_fp8_linears(model, False, torch.device("cpu"), torch.bfloat16)  # ModelOptions.fp8_cublas
+    assert not fp8.cublas

@@ -15,7 +15,7 @@ from _hf_convert import build_hf, convert, raw_config
 
 from mlac.core.config import ModelConfig
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.kvcache.batch import ForwardBatch
 from mlac.runtime.kvcache.blocks import BlockAllocator
 from mlac.runtime.kvcache.paged import PagedKVCache

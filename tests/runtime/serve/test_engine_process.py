@@ -18,8 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlac.core.errors import MlacError
-from mlac.runtime.engine.constrain import GrammarSpec, InvalidGrammar
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import GrammarSpec, InvalidGrammar, SamplingParams
 from mlac.runtime.engine.sequence import Delta
 from mlac.runtime.engine.spec.decode import SpecStats
 from mlac.runtime.serve import ServerConfig, ServerThread, load_engine

@@ -380,7 +380,7 @@ def test_a_template_that_fails_on_the_messages_is_a_400(artifact, script):
 @pytest.mark.parametrize("choice", ["required", NAMED])
 def test_required_and_named_set_the_grammar(server, script, choice):
     """Each choice samples under the tool-call grammar; response_format cannot come with it."""
-    from mlac.runtime.engine.constrain import GrammarSpec
+    from mlac.runtime.engine.params import GrammarSpec
 
     with pytest.raises(openai.BadRequestError, match="cannot be combined with tool_choice"):
         ask(server, ASK, False, tool_choice=choice, response_format={"type": "json_object"})

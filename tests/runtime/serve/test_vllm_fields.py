@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mlac.core.artifact import TOKENIZER_DIR
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.tokenizer import Tokenizer
 from mlac.runtime.serve import ServerConfig, ServerThread
 from mlac.runtime.serve.app import _encode_chat

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fp8_cublas import small_weights  # noqa: F401  (a fixture)
+from test_fp8_cublas_model import wide_fp8  # noqa: F401  (a fixture)
 
 from mlac.core.errors import MlacError
 from mlac.kernels._triton import tl, triton
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.kvcache.paged import PagedKVCache
+from mlac.runtime.model.layers import Linear
 from mlac.runtime.step import Step
 from mlac.runtime.worker.graphs import DecodeGraphs, DecodeInputs, capture_buckets, pick_bucket
 from mlac.runtime.worker.options import RuntimeOptions
@@ -307,6 +310,33 @@ def test_cuda_graph_pieces_give_the_tokens_of_the_same_pieces_run_eagerly(artifa
     one_step = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=5)
     for x, y in zip(engine.generate(prompts, one_step), unpadded.generate(prompts, one_step), strict=True):
         assert abs(x.logprobs[1].top[0][1] - y.logprobs[1].top[0][1]) < 0.3  # the decode step, bf16
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_through_cublas_give_the_tokens_of_the_same_steps_run_eagerly(wide_fp8, small_weights):  # noqa: F811
+    """An FP8 model whose linears take cuBLAS's block-scaled GEMM from 32 rows (ModelOptions.fp8_cublas,
+    fp8_cublas.cublas_takes): the buckets of 32, 48 and 64 rows capture cuBLAS calls, and their
+    replays give exactly the greedy tokens of the same padded steps run eagerly (cuBLAS both ways:
+    the route depends on the bucket's rows only)."""
+    kw = dict(device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=512, cuda_graph_max_bs=64,
+              scheduler=SchedulerConfig(prefix_cache=False, max_running_requests=64))  # fmt: skip
+    engine = Engine.from_artifact(wide_fp8, **kw)
+    graphs = engine.runner.graphs
+    assert graphs is not None and {32, 48, 64} <= set(graphs.graphs)
+    assert all(m.cublas for m in engine.runner.model.modules() if isinstance(m, Linear) and m.fp8)
+    g = torch.Generator().manual_seed(5)
+    for n in (33, 40, 64):
+        prompts = [torch.randint(3, 1000, (4 + 3 * (i % 5),), generator=g).tolist() for i in range(n)]
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        replays = count_replays(graphs)
+        replayed = [c.token_ids for c in engine.generate(prompts, params)]
+        assert any(bs >= 32 for bs in replays), replays  # decode steps of 33 rows and more: cuBLAS
+        captured, graphs.graphs = graphs.graphs, {}  # the same padded steps, eagerly
+        try:
+            padded_eager = [c.token_ids for c in engine.generate(prompts, params)]
+        finally:
+            graphs.graphs = captured
+        assert replayed == padded_eager, f"batch {n}"
 
 
 if triton is not None:

@@ -16,7 +16,7 @@ import mlac.runtime.engine.spec.decode as spec_decode
 import mlac.runtime.worker.spec_exec as spec_exec
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.spec.decode import SpecDecoder
 from mlac.runtime.worker.graphs import DecodeGraphs
 from mlac.runtime.worker.spec_chain import ChainGraphs, ChainInputs, accepted, chain_batches

@@ -20,7 +20,7 @@ import mlac
 from mlac.core.artifact import Manifest
 from mlac.core.errors import MlacError
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.model.layers import Weights
 from mlac.runtime.model.model import DeepseekModel

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mlac.runtime.engine.sampling import SamplingParams, apply_min_p, apply_top_k, apply_top_p
+from mlac.runtime.engine.sampling import SamplingParams, apply_min_p, filter_rows
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -28,8 +28,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         return torch.tensor([getattr(p, name) for p in params], device=dev)
 
     x = logits.float() / per_row("temperature").float()[:, None]
-    x = apply_top_k(x, per_row("top_k"))
-    x = apply_top_p(x, per_row("top_p").float())
+    x = filter_rows(x, [p.top_k for p in params], [p.top_p for p in params])
     if any(p.min_p > 0 for p in params):
         x = apply_min_p(x, per_row("min_p").float())
     return x.softmax(dim=-1)

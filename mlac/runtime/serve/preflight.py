@@ -1,12 +1,28 @@
-"""The listening port, checked before anything loads (the CLI checks it before the engine's process is
-configured, launch.serve before the model loads): no HTTP stack, no torch."""
+"""What a server refuses before its model loads: a bad artifact, a bad --generation-config, a busy
+port. No HTTP stack and no torch: `mlac serve` checks these before it configures the engine's process
+(cli/serve.py), launch.serve before it loads the model in its own."""
 
 from __future__ import annotations
 
 import errno
 import socket
+from typing import TYPE_CHECKING
 
 from mlac.core.errors import MlacError
+
+if TYPE_CHECKING:
+    from mlac.runtime.serve.config import ServerConfig
+
+
+def refuse_before_load(config: ServerConfig) -> None:
+    """MlacError (one line) for an artifact whose manifest does not load, a generation config that
+    sampling refuses, or a port another process listens on."""
+    from mlac.core.artifact import Manifest
+    from mlac.runtime.engine.generation_config import sampling_defaults
+
+    Manifest.load(config.artifact)
+    sampling_defaults(config.artifact, config.generation_config)
+    check_port(config.host, config.port)
 
 
 def check_port(host: str, port: int) -> None:
