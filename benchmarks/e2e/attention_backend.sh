@@ -32,9 +32,10 @@ build() {
 }
 BUILD=""
 if [ ! -f $A/manifest.json ]; then build & BUILD=$!; fi
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/worker/test_attention_backend_gpu.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short tests/kernels/test_flashinfer_mla.py \
+  tests/runtime/worker/test_attention_backend_gpu.py \
   >"$OUT/gpu_tests.txt" 2>&1
-stamp "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests.txt"
+stamp "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests.txt" | head -20; tail -n 3 "$OUT/gpu_tests.txt"
 if [ -n "$BUILD" ]; then wait $BUILD || exit 1; stamp "synth + compile v2-lite bf16"; fi
 
 # 3. one unit for both backends

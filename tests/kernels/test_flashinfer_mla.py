@@ -1,8 +1,9 @@
 """kernels/attention/flashinfer_mla.py on CPU: mlac's block tables as FlashInfer's paged layout
 (page_layout) against a direct gather of each row's tokens, blocks shared between rows included;
 paged_mla_ref, read through that layout, against mla_decode_ref over the block tables; the
-workspace's module listing that `prepare` stores. The FlashInfer kernel itself: tests/runtime/worker/
-test_attention_backend.py's GPU tests."""
+workspace's module listing that `prepare` stores. On a GPU with flashinfer: the kernel itself against
+paged_mla_ref and mla_decode over mlac's tables (the model's: tests/runtime/worker/
+test_attention_backend_gpu.py)."""
 
 from __future__ import annotations
 
@@ -110,3 +111,59 @@ def test_workspace_modules_are_the_built_libraries_alone(tmp_path):
     (ops.parent / "generated" / name / "batch_mla_run.cu").write_text("//")
     (ops.parent / "flashinfer_jit.log").write_text("")
     assert workspace_modules(tmp_path) == [f".cache/flashinfer/0.6.11/90a/cached_ops/{name}/{name}.so"]
+
+
+# ---- on a GPU with flashinfer: the kernel itself against its reference --------------------------
+
+GPU_PAGE, GPU_C, GPU_R, GPU_H = 16, 512, 64, 16  # mlac's block size; DeepSeek's latents; V2-Lite's heads
+# (tables, lengths): tight rows; padded wider than used; a cached prefix shared by two rows (the
+# runtime's decode steps over it, step by step, as the backend's GPU test runs them); lengths at page ends
+GPU_STEPS = {
+    "tight": ([[1, 2, 3], [4, 5, 6]], [41, 36]),
+    "padded": ([[1, 2, 3, 0, 0, 0], [4, 0, 0, 0, 0, 0], [7, 8, 0, 0, 0, 0]], [40, 1, 17]),
+    "shared": ([[1, 2, 3, 5], [1, 2, 4, 6]], [41, 36]),
+    "shared-late": ([[1, 2, 3, 5], [1, 2, 4, 6]], [49, 44]),
+    "page-ends": ([[1, 2, 9], [3, 0, 0], [1, 2, 10]], [32, 16, 48]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_STEPS))
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["eager", "graph-buffers"])
+def test_gpu_paged_mla_is_its_reference_over_mlac_tables(case, graph_mode):
+    """PagedMLA (FlashInfer's kernel) against paged_mla_ref and mla_decode over the same pool and
+    tables: block 0 NaN (a read of a padding entry shows), two layers' pools under one plan, and the
+    next plan's rows right after. Where this passes and a model test fails, the wiring is at fault."""
+    pytest.importorskip("flashinfer")
+    from mlac.kernels.attention.flashinfer_mla import PagedMLA
+    from mlac.kernels.attention.mla_decode import mla_decode
+
+    dev, dtype, scale = torch.device("cuda"), torch.bfloat16, 0.1
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pools = [torch.randn(12, GPU_PAGE, GPU_C + GPU_R, device=dev, generator=gen).to(dtype) for _ in range(2)]
+    for p in pools:
+        p[0] = float("nan")
+    table_rows, lens = GPU_STEPS[case]
+    tables = torch.tensor(table_rows, dtype=torch.int32, device=dev)
+    b = len(lens)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    shape = dict(heads=GPU_H, kv_lora=GPU_C, rope=GPU_R, page=GPU_PAGE, scale=scale, dtype=dtype)
+    indices = torch.zeros(b * 8, dtype=torch.int32, device=dev) if graph_mode else None
+    mla = PagedMLA(workspace, **shape, rows=b if graph_mode else None, indices=indices)
+    for step in range(2):  # the second plan right after the first's runs: no stale schedule
+        mla.plan(tables, lens)
+        q = torch.randn(b, GPU_H, GPU_C + GPU_R, device=dev, generator=gen).to(dtype)
+        q_lat, q_rope = q[..., :GPU_C].contiguous(), q[..., GPU_C:].contiguous()
+        for layer, pool in enumerate(pools):
+            got = mla.run(q_lat, q_rope, pool).float()
+            want = paged_mla_ref(q_lat, q_rope, pool, *page_layout(tables, lens), scale).float()
+            assert not got.isnan().any(), (case, step, layer)
+            err = float((got - want).norm() / want.norm())
+            assert err < 2e-2, (case, step, layer, err)
+            clean = pool.clone()
+            clean[0] = 0
+            ours = mla_decode(
+                q_lat, q_rope, clean, tables, torch.tensor(lens, dtype=torch.int32, device=dev), scale
+            )
+            assert float((ours.float() - want).norm() / want.norm()) < 2e-2, (case, step, layer)
+        lens = [min(n + 1, tables.shape[1] * GPU_PAGE) for n in lens]  # the next decode step
