@@ -136,6 +136,15 @@ def read_json_schema(path: Path) -> str:
     NO_VERIFY.but(help=TRUSTED_STORAGE_HELP),
     ATTENTION_BACKEND,
 )  # fmt: skip
+@click.option(
+    "--temperature",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Every sequence samples at this temperature (0: greedy), as vLLM's bench's flag.",
+)
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Every sequence's top_p.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Every sequence's top_k (0: off).")
 @click.option("--profile", is_flag=True, help="Also profile decode steps of the smallest batch (CUDA).")
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the results here."
@@ -146,12 +155,19 @@ def read_json_schema(path: Path) -> str:
 @REQUIRE_PREPARED
 @source_flags
 @friendly_errors
-def bench(out_dir, batch_sizes, input_len, output_len, profile, json_path, **flags):
-    """Prefill and decode speed of OUT_DIR per batch size, against the bandwidth roofline.
+def bench(
+    out_dir, batch_sizes, input_len, output_len, temperature, top_p, top_k, profile, json_path, **flags
+):
+    """Prefill and decode speed of OUT_DIR per batch size, against the bandwidth roofline (greedy, or
+    every sequence sampling as --temperature, --top-p and --top-k say).
 
     \b
       mlac bench out/ --batch-sizes 1,32,256 --input-len 64 --output-len 64 --json bench.json
     """
+    from mlac.runtime.engine.params import SamplingParams
+
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    SamplingParams(**sampling)  # out of range: one line naming the field, before anything loads
     out_dir = fetched(out_dir, flags)
     launch = early_launch(out_dir)
     from mlac.runtime.engine.engine import Engine
@@ -166,7 +182,7 @@ def bench(out_dir, batch_sizes, input_len, output_len, profile, json_path, **fla
     options = EngineOptions.of(**fields, max_running_requests=max(sizes),
                                chunked_prefill_size=max(2048, input_len), launch=launch)  # fmt: skip
     with Engine.from_artifact(out_dir, options) as engine:
-        bandwidth, results = b.bench(engine, sizes, input_len, output_len, progress=log)
+        bandwidth, results = b.bench(engine, sizes, input_len, output_len, progress=log, sampling=sampling)
         click.echo(b.table(bandwidth, results))
         prof = (
             b.profile_decode(engine, sizes[0], input_len)
@@ -179,7 +195,8 @@ def bench(out_dir, batch_sizes, input_len, output_len, profile, json_path, **fla
             rt = options.runtime
             settings = dict(input_len=input_len, output_len=output_len, cuda_graph=rt.cuda_graph,
                             cuda_graph_max_bs=rt.cuda_graph_max_bs, dtype=rt.dtype_name, profile=prof,
-                            speculative_num_steps=spec, attention_backend=rt.attention_backend)  # fmt: skip
+                            speculative_num_steps=spec, attention_backend=rt.attention_backend,
+                            sampling=sampling)  # fmt: skip
             json_path.write_text(b.to_json(engine, bandwidth, results, **settings) + "\n")
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
@@ -95,12 +96,19 @@ class BatchRun:
 
 
 def run_batch(
-    engine: Engine, batch: int, input_len: int, output_len: int, seed: int = 0, plain: bool = False
+    engine: Engine,
+    batch: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+    plain: bool = False,
+    sampling: Mapping[str, Any] | None = None,
 ) -> BatchRun:
-    """Prefill and decode of one batch through a fresh scheduler (`plain`: without speculation)."""
+    """Prefill and decode of one batch through a fresh scheduler (`plain`: without speculation),
+    every sequence sampling as `sampling` says (SamplingParams fields; default greedy)."""
     rng = random.Random(seed)
     vocab = engine.config.vocab_size
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **(sampling or {}))
     sched = engine.scheduler(replace(engine.scheduler_config, speculative_num_steps=0) if plain else None)
     seqs = [
         engine.new_sequence([rng.randrange(3, vocab) for _ in range(input_len)], params) for _ in range(batch)
@@ -135,23 +143,27 @@ def bench(
     input_len: int,
     output_len: int,
     progress: Callable[[str], None] = lambda _: None,
+    sampling: Mapping[str, Any] | None = None,
 ) -> tuple[float, list[BenchResult]]:
     """(copy bandwidth bytes/s, one result per batch size). Each batch runs once untimed first, long
     enough for every step shape it meets (speculative: steps of K drafts, then the shorter ones at
-    its end); a speculative run also times plain decoding of the batch, its baseline."""
+    its end); a speculative run also times plain decoding of the batch, its baseline. `sampling`:
+    how every sequence samples (SamplingParams fields: temperature, top_p, top_k; default greedy)."""
     manifest = engine.manifest
     bandwidth = copy_bandwidth(engine.device)
     kv_per_token = engine.cache.bytes_per_block(engine.config, 1, engine.cache.dtype, engine.cache.kv_dtype)
     k = engine.scheduler_config.speculative_num_steps
     results = []
     for b in batch_sizes:
-        run_batch(engine, b, input_len, min(output_len, 4 + 3 * (k + 1)), seed=1)  # warm-up
+        run_batch(
+            engine, b, input_len, min(output_len, 4 + 3 * (k + 1)), seed=1, sampling=sampling
+        )  # warm-up
         plain_tps = None
         if k:
-            run_batch(engine, b, input_len, min(output_len, 4), seed=1, plain=True)
-            p = run_batch(engine, b, input_len, output_len, plain=True)
+            run_batch(engine, b, input_len, min(output_len, 4), seed=1, plain=True, sampling=sampling)
+            p = run_batch(engine, b, input_len, output_len, plain=True, sampling=sampling)
             plain_tps = p.tokens / p.decode_s if p.steps else 0.0
-        r = run_batch(engine, b, input_len, output_len)
+        r = run_batch(engine, b, input_len, output_len, sampling=sampling)
         prefill_s, decode_s, steps = r.prefill_s, r.decode_s, r.steps
         step_bytes = decode_step_bytes(manifest, b, input_len + output_len // 2, kv_per_token)
         decode_tps = r.tokens / decode_s if steps else 0.0

@@ -57,6 +57,24 @@ def small_weights(monkeypatch) -> None:
 
 
 @pytest.fixture
+def routed(small_weights, monkeypatch) -> list[tuple[int, bool]]:
+    """(rows, reads an Fp8Act) of every call of the model's cuBLAS route (layers.cublas_fp8_linear:
+    eager calls, and captures), small weights taking it as a large model's do."""
+    import mlac.runtime.model.layers as layers
+
+    calls: list[tuple[int, bool]] = []
+    real = layers.cublas_fp8_linear
+
+    def spy(x, w, scale):
+        a = x.q if isinstance(x, Fp8Act) else x
+        calls.append((a.numel() // a.shape[-1], isinstance(x, Fp8Act)))
+        return real(x, w, scale)
+
+    monkeypatch.setattr(layers, "cublas_fp8_linear", spy)
+    return calls
+
+
+@pytest.fixture
 def emulated(monkeypatch) -> list[tuple[int, int, int]]:
     """torch._scaled_mm emulated (on CPU tensors: the CPU has none); the list of (M, N, K) of
     every call."""

@@ -28,6 +28,31 @@ def test_bench_prints_a_row_per_batch_and_writes_json(artifact, tmp_path):
         assert r["roofline_fraction"] == pytest.approx(r["decode_tokens_per_s"] / r["roofline_tokens_per_s"])
 
 
+def test_bench_samples_as_told_and_refuses_a_bad_parameter_before_loading(artifact, tmp_path, monkeypatch):
+    """--temperature/--top-p/--top-k (vLLM bench's names): every sequence samples so (the sampler
+    runs; the record says how); an out-of-range value is one line naming it, before any load."""
+    from mlac.runtime.engine import sampling
+
+    seen = []
+    real = sampling.sample_deferred
+    monkeypatch.setattr(sampling, "sample_deferred", lambda l, p, g: seen.append(p[0]) or real(l, p, g))
+    out = tmp_path / "bench.json"
+    args = ["bench", str(artifact("tiny-v3")), "--batch-sizes", "2", "--input-len", "5", "--output-len", "4",
+            "--device", "cpu", "--dtype", "float32", "--no-verify", "--temperature", "0.8", "--top-k", "20",
+            "--top-p", "0.9", "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert seen and all((p.temperature, p.top_k, p.top_p) == (0.8, 20, 0.9) for p in seen)
+    assert json.loads(out.read_text())["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20}
+    loads = []
+    monkeypatch.setattr("mlac.runtime.engine.engine.Engine.from_artifact", lambda *a, **k: loads.append(1))
+    bad = CliRunner().invoke(main, [*args[:12], "--top-p", "1.5"])
+    assert bad.exit_code != 0 and not loads
+    assert (
+        "top_p" in bad.output and "Traceback" not in bad.output and len(bad.output.strip().splitlines()) == 1
+    )
+
+
 def test_decode_step_bytes_counts_every_weight_once_and_the_touched_experts(artifact):
     m = Manifest.load(artifact("tiny-v3"))
     cfg, tensors = m.model, m.tensors[0]

@@ -28,7 +28,6 @@ from mlac.core.files import file_entry
 from mlac.core.units import UNIT_IDENTITY, UNIT_MANIFEST, TargetSignature, load_unit, target_key
 from mlac.core.validity import check_artifact
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.serve import ServerConfig, load_engine
 
 SIG = TargetSignature(gpu_name="NVIDIA H200", compute_capability="9.0", cuda="13.0", driver="580.65.06",
@@ -406,12 +405,14 @@ print(json.dumps(counts))
 
 @pytest.mark.gpu
 def test_a_prepared_artifact_compiles_nothing_in_a_fresh_server(art, tmp_path):
-    """The proof: prepared here, a fresh process with an empty Triton home (TRITON_CACHE_DIR unset)
-    serves with zero JIT compiles at start and during requests; unprepared, the same counts some."""
-    options = EngineOptions.of(
-        device="cuda", max_running_requests=8, chunked_prefill_size=256, cuda_graph_max_bs=8
-    )
-    prep.prepare(art, options)
+    """The proof: prepared by `mlac prepare` (a process that has run no kernel: prepare's NOTE), then a
+    fresh process with an empty Triton home (TRITON_CACHE_DIR unset) serves with zero JIT compiles at
+    start and during requests; unprepared, the same counts some."""
+    env = {k: v for k, v in os.environ.items() if k != kc.TRITON_CACHE_ENV}
+    limits = ["--max-running-requests", "8", "--chunked-prefill-size", "256", "--cuda-graph-max-bs", "8"]
+    out = subprocess.run([sys.executable, "-m", "mlac.cli", "prepare", str(art), "--device", "cuda", *limits],
+                         env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
 
     def serve(mode: str) -> dict:
         env = {k: v for k, v in os.environ.items() if k != kc.TRITON_CACHE_ENV}

@@ -28,9 +28,10 @@ the context) gets no row in N + 1.
 Multi-rank too (one node or several; `can_overlap`): rank 0's DistributedRunner sends step N + 1
 as a fed step (step_link.FedStep), whose token ids follow the message as a broadcast over the
 model's group on the device, in stream order after step N's sampling: every rank launches N + 1
-before rank 0's host reads N's ids, and only rank 0 samples. Off under DP attention (its steps
-are split by rank on the host, dp_attention.py) and under speculative decoding, which has its own
-device-side chain (spec/decode.py).
+before rank 0's host reads N's ids, and only rank 0 samples. Under DP attention too: the ids
+come in step order, and every rank lays them out by rank itself from the Step's `ranks`
+(dp_attention.py, dp_graphs.py); a sequence's next block comes from its own rank's pool. Off under
+speculative decoding, which has its own device-side chain (spec/decode.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.engine.penalties import PenaltyStep
-from mlac.runtime.engine.sampling import logprob_tensors, read_logprobs, sample_apart, to_device
+from mlac.runtime.engine.sampling import NOT_A_DISTRIBUTION, logprob_tensors, read_logprobs, sample_apart
 from mlac.runtime.step import Step
 
 if TYPE_CHECKING:
@@ -55,7 +57,7 @@ class SchedulerView(Protocol):
 
     running: list[Sequence]  # by seq_id
     pending_aborts: set[int]  # seq ids to abort at the next step
-    pool: BlockPool  # rank 0's blocks (overlap runs without DP attention: the only pool)
+    pools: list[BlockPool]  # one per DP-attention rank (else one): a sequence's blocks in pools[seq.dp_rank]
     eos_ids: frozenset[int]
     max_context: int
 
@@ -79,8 +81,8 @@ def on_by_default(runner) -> bool:
 
 def can_overlap(runner) -> bool:
     """Whether `runner` can take a decode step's token ids from the device (`run_decode`: a
-    ModelRunner or a multi-rank DistributedRunner), without DP attention."""
-    return callable(getattr(runner, "run_decode", None)) and getattr(runner, "dp", None) is None
+    ModelRunner or a multi-rank DistributedRunner, with or without DP attention)."""
+    return callable(getattr(runner, "run_decode", None))
 
 
 @dataclass(eq=False)
@@ -92,6 +94,7 @@ class Flight:
     host: list[torch.Tensor]  # host copies: ids [B], then logprob values and ids [R, 1 + k] if asked
     done: torch.cuda.Event | None  # recorded after the copies (None on CPU: nothing to wait for)
     errors: dict[int, Exception] = field(default_factory=dict)  # rows whose draw raised: they fail
+    bad: torch.Tensor | None = None  # host copy [B] bool: rows that were no distribution: they fail
 
 
 def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
@@ -110,6 +113,7 @@ class Overlap:
     def __init__(self, runner):
         self.runner = runner
         self.flight: Flight | None = None
+        self.ranked = getattr(runner, "dp", None) is not None  # DP attention: steps say each row's rank
 
     @staticmethod
     def can_start(plan: list[tuple[Sequence, int]]) -> bool:
@@ -120,8 +124,7 @@ class Overlap:
         """Launch `plan` (can_start; its blocks reserved by the scheduler) as the flight."""
         seqs = [s for s, _ in plan]
         chunks = [s.tokens(s.num_computed, s.num_computed + 1) for s in seqs]
-        step = Step.of(chunks, [s.num_computed for s in seqs], [s.block_table for s in seqs])
-        self.flight = self._launch(seqs, step, None)
+        self.flight = self._launch(seqs, self._step(seqs, chunks), None)
 
     def advance(self, sched: SchedulerView) -> list[Sequence] | None:
         """The steady state: launch the next step from the flight's ids, then land the flight and
@@ -131,8 +134,7 @@ class Overlap:
         if not rows or not self._grow(sched, [flight.seqs[j] for j in rows]):
             return None
         seqs = [flight.seqs[j] for j in rows]
-        step = Step.of([[0]] * len(seqs), [s.num_computed for s in seqs], [s.block_table for s in seqs])
-        self.flight = self._launch(seqs, step, take_rows(flight.ids, rows))
+        self.flight = self._launch(seqs, self._step(seqs, [[0]] * len(seqs)), take_rows(flight.ids, rows))
         try:
             return self.land(sched, flight)
         except BaseException:
@@ -156,15 +158,24 @@ class Overlap:
             j for j, s in enumerate(flight.seqs) if not s.finished and not ends_next(s, sched.max_context)
         ]
 
+    def _step(self, seqs: list[Sequence], chunks: list[list[int]]) -> Step:
+        """The decode step of `seqs` (their new tokens `chunks`: placeholders when the ids come from
+        the device), with each one's rank under DP attention."""
+        ranks = [s.dp_rank for s in seqs] if self.ranked else []
+        return Step.of(chunks, [s.num_computed for s in seqs], [s.block_table for s in seqs], ranks=ranks)
+
     @staticmethod
     def _grow(sched: SchedulerView, seqs: list[Sequence]) -> bool:
-        """Blocks for one more token of each of `seqs`, if free without preempting (else nothing)."""
-        alloc = sched.pool.allocator
-        need = sum(alloc.blocks_for(s.num_computed + 1) - len(s.block_table) for s in seqs)
-        if need > alloc.num_free:
+        """Blocks for one more token of each of `seqs`, each from its rank's pool, if free there
+        without preempting (else nothing)."""
+        need = [0] * len(sched.pools)
+        for s in seqs:
+            alloc = sched.pools[s.dp_rank].allocator
+            need[s.dp_rank] += alloc.blocks_for(s.num_computed + 1) - len(s.block_table)
+        if any(n > pool.allocator.num_free for n, pool in zip(need, sched.pools, strict=True)):
             return False
         for s in seqs:
-            alloc.reserve(s.block_table, s.num_computed + 1)
+            sched.pools[s.dp_rank].allocator.reserve(s.block_table, s.num_computed + 1)
         return True
 
     @torch.inference_mode()
@@ -174,14 +185,18 @@ class Overlap:
         logits = self.runner.run_decode(step, ids)  # [B, V] (the graphs' view: sampled before the next step)
         penalized = PenaltyStep.of([s.penalties for s in seqs], logits)  # counts grow on the device
         shaped = logits if penalized is None else penalized.apply(logits)
-        tokens, errors = sample_apart(shaped, [s.params for s in seqs], [s.generator for s in seqs])  # [B]
+        # deferred: a row that is no distribution is known when the flight lands (no wait here)
+        tokens, errors, bad = sample_apart(
+            shaped, [s.params for s in seqs], [s.generator for s in seqs], deferred=True
+        )  # [B]
         if penalized is not None:
             penalized.count(tokens)  # a failed row's placeholder too: that row ends
         lps = logprob_tensors(logits, tokens, [s.params.logprobs for s in seqs])
-        host, done = to_host([tokens, *(lps or ())])
+        host, done = to_host([tokens, *(lps or ()), *(() if bad is None else (bad,))])
         for s in seqs:
             s.num_computed += 1
-        return Flight(seqs, tokens, host, done, errors)
+        return Flight(seqs, tokens, host[: len(host) - (bad is not None)], done, errors,
+                      None if bad is None else host[-1])  # fmt: skip
 
     @staticmethod
     def land(sched: SchedulerView, flight: Flight) -> list[Sequence]:
@@ -193,12 +208,15 @@ class Overlap:
         tokens, *lp_host = (x.tolist() for x in flight.host)
         num_top = [s.params.logprobs for s in flight.seqs]
         lps = read_logprobs(*lp_host, num_top) if lp_host else [None] * len(tokens)
+        bad = [False] * len(tokens) if flight.bad is None else flight.bad.tolist()
         news = []
         for j, (s, t, lp) in enumerate(zip(flight.seqs, tokens, lps, strict=True)):
             if s.finished:
                 continue
             if j in flight.errors:
                 s.fail(flight.errors[j])
+            elif bad[j]:
+                s.fail(ValueError(NOT_A_DISTRIBUTION))
             else:
                 s.append_token(t, lp, sched.eos_ids, sched.max_context)
             if s.finished:

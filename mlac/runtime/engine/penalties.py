@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.engine.params import InvalidSamplingParams, SamplingParams
-from mlac.runtime.engine.sampling import to_device
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:

@@ -16,8 +16,9 @@ import itertools
 
 import torch
 
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.engine.params import InvalidSamplingParams, SamplingParams
-from mlac.runtime.engine.sampling import TokenLogprob, to_device
+from mlac.runtime.engine.sampling import TokenLogprob
 
 
 def check_prompt_logprobs(params: SamplingParams, speculative_num_steps: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.engine.params import SamplingParams
 
 
@@ -58,14 +59,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(~keep, float("-inf"))
-
-
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A short host list as a [N] tensor on `device` without waiting for the device: on CUDA through
-    pinned memory, non-blocking (a plain torch.tensor(..., device=cuda) waits for every queued kernel,
-    which would stall the overlap scheduler's sampling behind the step it just launched)."""
-    x = torch.tensor(list(values), dtype=dtype)
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 TOP_K_CANDIDATES = 1024  # top-k by torch.topk up to this k (and top-p among its candidates); a sort above
@@ -120,14 +113,19 @@ def _top_p_drop(
     return ~keep & (cut < float("inf"))
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """probs [R, V] -> one token id per row [R] int64, by the exponential race that torch.multinomial
-    runs for one sample (argmax of probs / q, q ~ Exp(1)) with all rows in one launch. A seeded row's
-    q comes from its own generator, drawn as torch.multinomial(probs[j], 1, generator=g) draws it:
-    the same token, whatever shares the batch. Unseeded rows share one draw of the global generator.
-    ValueError (naming the rows) where a row is not a distribution (NaN, inf, negative, all zero),
-    as torch.multinomial refuses one: one wait for the device per call, where torch.multinomial
-    waited twice per row."""
+NOT_A_DISTRIBUTION = "the probabilities hold inf, nan or a negative value, or sum to 0"
+
+
+def draw(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [R, V] -> (one token id per row [R] int64, whether the row is a distribution [R] bool),
+    both on the device, nothing waited for. The exponential race that torch.multinomial runs for one
+    sample (argmax of probs / q, q ~ Exp(1)), all rows in one launch. A seeded row's q comes from its
+    own generator, drawn as torch.multinomial(probs[j], 1, generator=g) draws it: the same token,
+    whatever shares the batch. Unseeded rows share one draw of the global generator. A row that is no
+    distribution (NaN, inf, negative, all zero: what torch.multinomial refuses, waiting twice per row
+    to find out) gets a placeholder id and False."""
     q = torch.empty_like(probs)
     if any(g is None for g in generators):
         q.exponential_()
@@ -135,20 +133,20 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> t
         if g is not None:  # a fresh [V] draw, as torch.multinomial's own (then the row's copy)
             q[j].copy_(torch.empty_like(probs[j]).exponential_(generator=g))
     ok = (probs >= 0).all(dim=-1) & (probs < float("inf")).all(dim=-1) & (probs.sum(dim=-1) > 0)
-    if not bool(ok.all()):
-        bad = (~ok).nonzero().flatten().tolist()
-        raise ValueError(f"rows {bad}: the probabilities hold inf, nan or a negative value, or sum to 0")
-    return (probs / q).argmax(dim=-1)
+    return (probs / q).argmax(dim=-1), ok
 
 
-def sample(
+def sample_deferred(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> torch.Tensor:
-    """logits [B, V] float32, one SamplingParams and generator per row -> token ids [B] int64 on the
-    logits' device. Greedy rows take the argmax; the others, together: temperature, top-k, top-p
-    (filter_rows), min-p, softmax and one draw (draw), a fixed number of launches whatever B."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] float32, one SamplingParams and generator per row -> (token ids [B] int64, and
+    `bad` [B] bool: the rows whose probabilities were no distribution, their ids placeholders; None
+    where no row samples), on the logits' device, nothing waited for. Greedy rows take the argmax;
+    the others, together: temperature, top-k, top-p (filter_rows), min-p, softmax and one draw
+    (draw), a fixed number of launches whatever B. Raises only for what the host sees (the
+    arguments)."""
     if not (logits.shape[0] == len(params) == len(generators)):
         raise ValueError(
             f"sample: {logits.shape[0]} rows, {len(params)} params, {len(generators)} generators"
@@ -156,7 +154,7 @@ def sample(
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return out
+        return out, None
     dev = logits.device
 
     def per_row(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -168,22 +166,42 @@ def sample(
     x = filter_rows(x, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     if any(params[i].min_p > 0 for i in rows):
         x = apply_min_p(x, per_row("min_p"))
-    ids = draw(x.softmax(dim=-1), [generators[i] for i in rows])
-    return out.index_copy(0, picked, ids)
+    ids, ok = draw(x.softmax(dim=-1), [generators[i] for i in rows])
+    bad = torch.zeros(len(params), dtype=torch.bool, device=dev).index_copy(0, picked, ~ok)
+    return out.index_copy(0, picked, ids), bad
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """sample_deferred's token ids [B], checked: ValueError naming the rows whose probabilities were
+    no distribution (one wait for the device, where some row samples)."""
+    ids, bad = sample_deferred(logits, params, generators)
+    if bad is not None and bool(bad.any()):
+        raise ValueError(f"rows {bad.nonzero().flatten().tolist()}: {NOT_A_DISTRIBUTION}")
+    return ids
 
 
 def sample_apart(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> tuple[torch.Tensor, dict[int, Exception]]:
-    """As `sample`, but one row's failure does not fail the others: token ids [B], and the rows
-    whose draw raised, with their errors (their id is the row's argmax: a placeholder the caller
-    drops). The rows go together; only if that raises does each go alone, each seeded generator
-    first rewound to where it was (a row draws what it would have drawn without the failure)."""
+    deferred: bool = False,
+) -> tuple[torch.Tensor, dict[int, Exception], torch.Tensor | None]:
+    """As `sample`, but one row's failure does not fail the others: token ids [B], the rows whose
+    draw raised with their errors (their id is the row's argmax: a placeholder the caller drops),
+    and with `deferred` the device mask of rows that were no distribution (sample_deferred: the
+    caller fails them when it reads the ids; None otherwise, those rows then among the errors).
+    The rows go together; only if that raises does each go alone, each seeded generator first
+    rewound to where it was (a row draws what it would have drawn without the failure)."""
     states = [g.get_state() if g is not None else None for g in generators]
     try:
-        return sample(logits, params, generators), {}
+        if deferred:
+            ids, bad = sample_deferred(logits, params, generators)
+            return ids, {}, bad
+        return sample(logits, params, generators), {}, None
     except Exception:  # noqa: BLE001  (one row's: found below, row by row)
         for g, state in zip(generators, states, strict=True):
             if state is not None:
@@ -195,7 +213,7 @@ def sample_apart(
         except Exception as e:  # noqa: BLE001  (this row's failure: its request's error)
             errors[i] = e
             ids.append(logits[i : i + 1].argmax(dim=-1))
-    return torch.cat(ids), errors
+    return torch.cat(ids), errors, None
 
 
 def logprob_tensors(

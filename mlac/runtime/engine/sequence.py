@@ -201,7 +201,7 @@ def sample_next(seqs: list[Sequence], logits: torch.Tensor, eos_ids: Seq[int], m
     penalized = PenaltyStep.of([s.penalties for s in seqs], masked)
     if penalized is not None:
         masked = penalized.apply(masked)
-    tokens, errors = sample_apart(masked, [s.params for s in seqs], [s.generator for s in seqs])
+    tokens, errors, _ = sample_apart(masked, [s.params for s in seqs], [s.generator for s in seqs])
     if penalized is not None:
         penalized.count(tokens)  # a failed row's placeholder too: that sequence ends
     lps = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])

@@ -25,7 +25,9 @@ cache); the route prefers the rank holding the request's longest cached prefix w
 has room for the rest, else the rank with the most free blocks.
 
 Decode steps and short extends replay CUDA graphs of rows per rank (dp_graphs.py); other steps run
-eagerly here.
+eagerly here. Under overlap scheduling a decode step's token ids come on the device in step order
+(rank 0's sampled ids, broadcast): each rank puts them in rank order itself (`rank_order`), from the
+Step it holds, so no rank waits on the host for them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.step import Step
 
@@ -91,13 +94,17 @@ class DPRank:
     size: int
     group: dist.ProcessGroup | None
 
-    def run(self, model, cache: PagedKVCache, step: Step) -> torch.Tensor:
+    def run(self, model, cache: PagedKVCache, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits of the whole `step` ([T, V] if every_token, else [B, V], step order) on
-        every rank; this rank ran attention for its own sequences only."""
+        every rank; this rank ran attention for its own sequences only. `ids`: a decode step's
+        token ids [B] on the device, in step order (overlap scheduling), else step.token_ids."""
         parts = [step.part(r) for r in range(self.size)]
         mine = parts[self.rank]
-        ids = [t for p in parts if p is not None for t in p.token_ids]  # [T] in rank order
-        token_ids = torch.tensor(ids, dtype=torch.int64, device=model.device)
+        if ids is None:
+            host = [t for p in parts if p is not None for t in p.token_ids]  # [T] in rank order
+            token_ids = to_device(host, torch.int64, model.device)
+        else:  # one token per sequence: the sequences of rank 0, then rank 1's, ...
+            token_ids = ids.index_select(0, to_device(rank_order(step, self.size), torch.int64, ids.device))
         batch = mine.to_device(cache.block_size, model.device)[1] if mine is not None else None
         hidden = model(
             token_ids, batch, cache, TokenExchange(step.rank_tokens(self.size), self.rank, self.group)
@@ -107,8 +114,13 @@ class DPRank:
         rows = rows_per_rank(step, self.size)
         gathered = TokenExchange(tuple(map(len, rows)), self.rank, self.group).gather(hidden)
         logits = model.logits(gathered)  # [N, V], rows in rank order
-        order = torch.tensor([i for r in rows for i in r], device=logits.device)
+        order = to_device([i for r in rows for i in r], torch.int64, logits.device)
         return torch.empty_like(logits).index_copy_(0, order, logits)  # step order
+
+
+def rank_order(step: Step, size: int) -> list[int]:
+    """The step's sequences ordered by rank (rank 0's first), each rank's in step order."""
+    return [i for r in range(size) for i in range(step.num_seqs) if step.rank_of(i) == r]
 
 
 def rows_per_rank(step: Step, size: int) -> list[list[int]]:

@@ -15,7 +15,9 @@ Inside the graph, with `bs` rows per rank and `N` ranks:
     MLP / MoE           over all N·bs rows (all-gather), partial sums reduce-scattered back
     logits [N·bs, V]    every rank's rows gathered, then the vocab-parallel head
 
-After the replay each sequence's logits are picked by (its rank, its last row).
+After the replay each sequence's logits are picked by (its rank, its last row). Overlap
+scheduling's decode steps hand their token ids on the device in step order: each goes to the row
+(its rank, its place among that rank's sequences) of all_ids on the device (`rank_slots`).
 
 A decode step with more than max_bs rows on some rank replays in pieces (graphs.py's module
 docstring), each at most max_bs rows on every rank (`pieces`): every rank computes the same pieces
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mlac.core.errors import MlacError
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.model.dp_attention import DPRank, TokenExchange
 from mlac.runtime.model.model import DeepseekModel
@@ -77,21 +79,35 @@ class DPDecodeGraphs(DecodeGraphs):
     def _replay(self, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] float32 of each sequence's last new token, in step order. A bucket that
         was not captured (on CPU, where nothing is) runs the same padded step eagerly."""
-        if ids is not None:
-            raise MlacError("DP attention takes its token ids from the Step (no overlap scheduling)")
-        n = self.dp.size
+        n, dev = self.dp.size, self.all_ids.device
         bs = pick_bucket(self.buckets, max(step.rank_tokens(n)))
         parts = [step.part(r) for r in range(n)]
         mine = parts[self.dp.rank]
-        self.inputs.fill(mine if mine is not None else self.idle, bs)
-        ids = [list(p.token_ids) if p is not None else [] for p in parts]
-        self.all_ids[:, :bs].copy_(torch.tensor([row + [0] * (bs - len(row)) for row in ids]))
+        self.inputs.fill(mine if mine is not None else self.idle, bs)  # its ids unused: all_ids's are
+        if ids is None:
+            rows = [list(p.token_ids) if p is not None else [] for p in parts]
+            padded = [t for row in rows for t in row + [0] * (bs - len(row))]  # [N·bs], rank r's at r·bs
+            self.all_ids[:, :bs].copy_(to_device(padded, torch.int64, dev).view(n, bs))
+        else:  # a decode step's ids [B] on the device, step order (overlap): each to its rank's row
+            self.all_ids[:, :bs].zero_()
+            slots = [r * self.max_bs + j for r, j in rank_slots(step, n)]  # flat in [N, max_bs]
+            self.all_ids.view(-1).index_copy_(0, to_device(slots, torch.int64, dev), ids)
         graph = self.graphs.get(bs)
         if graph is not None:
             graph.replay()
         else:
             self._step(bs)
-        return self.logits[torch.tensor(last_rows(step, n, bs), device=self.logits.device)]
+        return self.logits[to_device(last_rows(step, n, bs), torch.int64, self.logits.device)]
+
+
+def rank_slots(step: Step, size: int) -> list[tuple[int, int]]:
+    """(rank, row among that rank's rows) of each sequence of a decode step, in step order."""
+    used, out = [0] * size, []
+    for i in range(step.num_seqs):
+        r = step.rank_of(i)
+        out.append((r, used[r]))
+        used[r] += 1
+    return out
 
 
 def last_rows(step: Step, size: int, bs: int) -> list[int]:

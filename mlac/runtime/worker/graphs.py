@@ -76,6 +76,7 @@ import torch
 from mlac.core.errors import MlacError
 from mlac.kernels._triton import CaptureNeedsWarmup, triton
 from mlac.kernels.attention.mla_decode_plan import decode_group_rows, prefer_row_groups, row_groups_host
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.kvcache.batch import ForwardBatch
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.model.model import DeepseekModel
@@ -393,7 +394,7 @@ class DecodeGraphs:
             if rows[-1] - rows[0] + 1 == len(rows):  # contiguous (always, but under DP attention)
                 at = slice(rows[0], rows[-1] + 1)
             else:
-                at = torch.tensor(rows, device=out.device)
+                at = to_device(rows, torch.int64, out.device)
             out[at] = self._replay(step.select(rows), None if ids is None else ids[at])
         return out
 
@@ -413,4 +414,4 @@ class DecodeGraphs:
         if step.is_decode:
             return self.logits[: step.num_seqs]
         last = list(itertools.accumulate(step.q_lens, initial=-1))[1:]  # each sequence's last row
-        return self.logits[torch.tensor(last, device=self.logits.device)]
+        return self.logits[to_device(last, torch.int64, self.logits.device)]

@@ -72,11 +72,13 @@ class ModelRunner:
         return self.forward(token_ids, self.attention.eager(batch), step.every_token)
 
     def run_decode(self, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits [B, V] of a decode `step` (not under DP attention), its token ids from
-        `ids` [B] int64 on the device when given (else step.token_ids): the CUDA graphs when they
-        take it, else eager. Overlap scheduling's steps (overlap.py)."""
+        """Float32 logits [B, V] of a decode `step`, its token ids from `ids` [B] int64 on the
+        device when given (else step.token_ids; in step order, under DP attention too): the CUDA
+        graphs when they take it, else eager. Overlap scheduling's steps (overlap.py)."""
         if self.graphs is not None and self.graphs.can_run(step):  # alike on every rank
             return self.graphs.run(step, ids=ids)
+        if self.dp is not None:
+            return self.dp.run(self.model, self.cache, step, ids)
         token_ids, batch = step.to_device(self.cache.block_size, self.device)
         return self.forward(token_ids if ids is None else ids, self.attention.eager(batch))
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlac.runtime.device_copy import to_device
 from mlac.runtime.step import Step
 from mlac.runtime.worker.spec_chain import ChainGraphs
 
@@ -59,13 +60,6 @@ def to_host(x: torch.Tensor) -> list:
     """x as a (nested) list of Python numbers: a device-to-host transfer, which waits for the device
     (speculative decoding's host syncs all go through here, so that tests can count them)."""
     return x.tolist()
-
-
-def to_device(ints: list[int], device: torch.device) -> torch.Tensor:
-    """ints as int64 [N] on `device`, without waiting for the device: on CUDA through pinned memory,
-    non-blocking (a plain torch.tensor(..., device=cuda) copy waits for every queued kernel)."""
-    x = torch.tensor(ints, dtype=torch.int64)
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 def rows_step(ctx_lens: list[int], ks: list[int], tables: list) -> Step:
@@ -165,7 +159,7 @@ class SpecExecutor:
             self.evacuate()
             return torch.stack([self.store[i] for i in rows])
         x = self.hidden if src == "hidden" else self.g
-        return x[to_device(rows, x.device)]  # a copy: graphs overwrite their outputs
+        return x[to_device(rows, torch.int64, x.device)]  # a copy: graphs overwrite their outputs
 
     def pick(self, logits: torch.Tensor, seq_ids: list[int], at: list[int]) -> torch.Tensor:
         """Greedy drafts [N] int64, on the device, from the MTP's logits [N, V]: the drafts of
@@ -220,7 +214,7 @@ class SpecExecutor:
             if src == "store":
                 return self.model.mtp[0].head(self._rows(src, rows)).float()
             x = self.hidden if src == "hidden" else self.g
-            return self._logits(src, to_device(rows, x.device))
+            return self._logits(src, to_device(rows, torch.int64, x.device))
 
     @torch.inference_mode()
     def draft(self, src: str, rows: list[int], step: Step) -> torch.Tensor:
@@ -242,7 +236,7 @@ class SpecExecutor:
             }
             tokens = {i: self.tokens[i] for i in store if i in self.tokens}
             if new:
-                index = to_device([r for _, r, _ in new], self.g.device)
+                index = to_device([r for _, r, _ in new], torch.int64, self.g.device)
                 top = self.pick(self._logits("g", index), [i for i, _, _ in new], [a for *_, a in new])
                 for j, (i, r, _) in enumerate(new):
                     store[i], tokens[i] = self.g[r].clone(), top[j]
@@ -270,7 +264,7 @@ class SpecExecutor:
             dev, ctx, tables = self.model.device, base.ctx_lens, base.block_tables
             flat, at = self._chain(seq_ids, ks, base)  # [B + drafts] int64: lasts, then d_j by j
             index = [r for i, rows in enumerate(at) for r in (i, *rows)]  # [T] rows of flat
-            self._target(rows_step(list(ctx), ks, list(tables)), flat[to_device(index, dev)])
+            self._target(rows_step(list(ctx), ks, list(tables)), flat[to_device(index, torch.int64, dev)])
             logits = self._logits("hidden", torch.arange(len(index), device=dev))  # [T, V]
             host = to_host(torch.cat([flat, logits.argmax(dim=-1)]))  # the step's one sync
         drafts = [[host[r] for r in rows] for rows in at]
@@ -361,7 +355,7 @@ class SpecExecutor:
         drafting sequence, d_1 of those with k > 1, ...; at[i]: where sequence i's d_j is in flat)."""
         dev, b = self.model.device, len(ks)
         active = [i for i in range(b) if ks[i] > 0]
-        cols = [to_device(list(base.token_ids), dev)]
+        cols = [to_device(list(base.token_ids), torch.int64, dev)]
         at: list[list[int]] = [[] for _ in range(b)]
         if active:
             cols.append(torch.stack([self.tokens[seq_ids[i]] for i in active]))
@@ -370,7 +364,7 @@ class SpecExecutor:
         for j in range(max(ks, default=0)):
             if j:  # d_j from the MTP at position n - 2 + j over (g, d_{j-1})
                 nxt = [i for i in active if ks[i] > j]
-                sel = to_device([active.index(i) for i in nxt], dev)
+                sel = to_device([active.index(i) for i in nxt], torch.int64, dev)
                 positions = [base.ctx_lens[i] - 1 + j for i in nxt]
                 step = Step.of([[0]] * len(nxt), positions, [base.block_tables[i] for i in nxt])
                 self._draft(x[sel], step, cols[-1][sel])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_overlap import assert_close_logprobs, prompts, run
+from test_overlap import admissions_and_aborts, both_fed, prompts, run
 
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions
@@ -62,24 +62,11 @@ def fed(monkeypatch) -> list[int]:
     return sizes
 
 
-def both(engine: Engine, reqs, steady: list[bool], fed: list[int], **kw):
-    """With and without overlap on the tp-2 engine: the same results; overlap reached its steady
-    state through fed steps. Returns the results without overlap."""
-    plain = run(engine, reqs, False, **kw)
-    assert not steady and not fed
-    over = run(engine, reqs, True, **kw)
-    assert [o[:3] for o in over] == [p[:3] for p in plain]
-    for o, p in zip(over, plain, strict=True):
-        assert_close_logprobs(o[3], p[3])
-    assert any(steady) and fed, "never launched a step before landing the one before it"
-    return plain
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_greedy_tokens_are_those_without_overlap(engine, steady, fed, batch):
     """Requests of different lengths finish at different steps: the fed steps shrink."""
     reqs = [(p, SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True)) for i, p in enumerate(prompts(batch))]
-    out = both(engine, reqs, steady, fed)
+    out = both_fed(engine, reqs, steady, fed)
     assert [len(o[0]) for o in out] == [4 + 3 * i for i in range(batch)]
     if batch > 1:
         assert len(set(fed)) > 1, "every fed step had the same rows"
@@ -95,18 +82,7 @@ def test_the_one_rank_tokens(engine, artifact, steady, fed):
 
 
 def test_admissions_aborts_and_stops_mid_run(engine, steady, fed):
-    ps = prompts(6) + [prompts(1)[0]] * 2  # the last two share a prompt with the first: prefix hits
-    reqs = [(p, SamplingParams(max_tokens=6 + 5 * (i % 3), ignore_eos=True)) for i, p in enumerate(ps)]
-    arrive = [0, 0, 2, 5, 5, 9, 12, 13]
-    plain = both(engine, reqs, steady, fed, arrive=arrive)
-    steady.clear()
-    aborted = run(engine, reqs, True, arrive=arrive, abort=[(1, 6), (4, 8)])
-    for j, (ids, reason, _, _) in enumerate(aborted):
-        if j in (1, 4):
-            assert reason == "abort" and ids == plain[j][0][: len(ids)] and len(ids) < len(plain[j][0])
-        else:
-            assert (ids, reason) == plain[j][:2]
-    assert any(steady)
+    admissions_and_aborts(engine, lambda reqs, **kw: both_fed(engine, reqs, steady, fed, **kw), steady)
 
 
 def test_stop_tokens_and_logprobs(engine, steady, fed):
@@ -116,7 +92,7 @@ def test_stop_tokens_and_logprobs(engine, steady, fed):
         (prompts(3)[2], SamplingParams(max_tokens=9, ignore_eos=True, logprobs=3)),
         (prompts(3)[0], SamplingParams(max_tokens=14, ignore_eos=True)),
     ]
-    out = both(engine, reqs, steady, fed)
+    out = both_fed(engine, reqs, steady, fed)
     assert out[0][1] == "stop" and out[0][0] == greedy[: greedy.index(greedy[6]) + 1]
     assert len(out[1][3]) == 9 and all(len(lp.top) == 3 for lp in out[1][3])
 
@@ -133,12 +109,12 @@ def test_seeded_sampling_is_that_without_overlap(engine, steady, fed):
         for i, p in enumerate(prompts(4))
     ]
     reqs.append((prompts(5)[4], SamplingParams(max_tokens=10, ignore_eos=True)))  # greedy with them
-    both(engine, reqs, steady, fed, prefix_cache=False)
+    both_fed(engine, reqs, steady, fed, prefix_cache=False)
 
 
 def test_on_for_multi_rank_unless_disabled(engine, fed):
     """--disable-overlap-schedule (overlap=False) turns it off for multi-rank too; CPU default off;
-    DP attention keeps it off."""
+    DP attention overlaps too (test_overlap_dp.py)."""
     assert isinstance(engine.runner, DistributedRunner) and can_overlap(engine.runner)
     assert engine.scheduler(SchedulerConfig(overlap=True)).overlap is not None
     assert engine.scheduler(SchedulerConfig(overlap=False)).overlap is None
@@ -149,7 +125,7 @@ def test_on_for_multi_rank_unless_disabled(engine, fed):
 
         def run_decode(self, step, ids=None): ...
 
-    assert not can_overlap(DPRank0())
+    assert can_overlap(DPRank0())
     engine.generate(prompts(2)[1], max_tokens=6, ignore_eos=True)  # the default: no fed step
     assert not fed
 

@@ -60,7 +60,7 @@ def run(engine: Engine, reqs, overlap: bool, arrive=None, abort=None, **config):
     sched.abort_all()
     counts = sched.check_blocks()
     assert counts["in_use"] == 0 and not sched.in_flight
-    assert counts["free"] + counts["cached"] == engine.cache.num_blocks
+    assert counts["free"] + counts["cached"] == sum(p.allocator.num_blocks for p in engine.runner.kv_pools)
     return [(s.output_ids, s.finish_reason, s.text(), s.logprobs) for s in seqs]
 
 
@@ -74,6 +74,39 @@ def both(engine: Engine, reqs, steady: list[bool], **kw):
         assert_close_logprobs(o[3], p[3])  # float32 rounding of other matmul shapes
     assert any(steady), "never launched a step before landing the one before it"
     return plain
+
+
+def both_fed(engine: Engine, reqs, steady: list[bool], fed: list, **kw):
+    """With and without overlap on a multi-rank engine (`fed`: what each fed step sent, spied): the
+    same results; overlap reached its steady state through fed steps. Returns the results without
+    overlap."""
+    plain = run(engine, reqs, False, **kw)
+    assert not steady and not fed
+    over = run(engine, reqs, True, **kw)
+    assert [o[:3] for o in over] == [p[:3] for p in plain]
+    for o, p in zip(over, plain, strict=True):
+        assert_close_logprobs(o[3], p[3])
+    assert any(steady) and fed, "never launched a step before landing the one before it"
+    return plain
+
+
+def admissions_and_aborts(engine: Engine, both, steady: list[bool]) -> None:
+    """Requests arriving mid-run (two sharing a prompt with the first: prefix hits) through `both`
+    (reqs, **kw -> the results without overlap, having checked overlap's against them), then the
+    same with two aborted mid-run under overlap: those stop early on the same tokens, the others are
+    untouched, and the steady state is reached again (the multi-rank tests, DP attention or not)."""
+    ps = prompts(6) + [prompts(1)[0]] * 2
+    reqs = [(p, SamplingParams(max_tokens=6 + 5 * (i % 3), ignore_eos=True)) for i, p in enumerate(ps)]
+    arrive = [0, 0, 2, 5, 5, 9, 12, 13]
+    plain = both(reqs, arrive=arrive)
+    steady.clear()
+    aborted = run(engine, reqs, True, arrive=arrive, abort=[(1, 6), (4, 8)])
+    for j, (ids, reason, _, _) in enumerate(aborted):
+        if j in (1, 4):
+            assert reason == "abort" and ids == plain[j][0][: len(ids)] and len(ids) < len(plain[j][0])
+        else:
+            assert (ids, reason) == plain[j][:2]
+    assert any(steady)
 
 
 def assert_close_logprobs(a, b) -> None:
@@ -172,23 +205,20 @@ def test_preemption_under_a_small_pool_gives_the_same_tokens(artifact, monkeypat
     assert all(s.num_preemptions > 0 for s in preempted)
 
 
-def test_off_by_default_on_cpu_under_speculation_and_dp_attention(engine, artifact):
+def test_off_by_default_on_cpu_and_under_speculation(engine, artifact):
     assert engine.scheduler(SchedulerConfig()).overlap is None  # CPU: nothing to overlap
     assert engine.scheduler(SchedulerConfig(overlap=True)).overlap is not None
     config = SchedulerConfig(speculative_num_steps=2, overlap=True)
     spec = Engine.from_artifact(artifact("tiny-v3"), dtype=torch.float32, verify=False, scheduler=config)
     assert spec.scheduler().spec is not None and spec.scheduler().overlap is None
-    assert overlap_mod.can_overlap(engine.runner)  # multi-rank: test_overlap_multirank.py
-
-    class DPRank0:  # a runner under DP attention (its steps split by rank on the host)
-        dp = object()
-
-        def run_decode(self, step, ids=None): ...
+    assert overlap_mod.can_overlap(
+        engine.runner
+    )  # multi-rank: test_overlap_multirank.py, DP: test_overlap_dp.py
 
     class Plain:  # a runner that takes no ids from the device
         def run(self, step): ...
 
-    assert not overlap_mod.can_overlap(DPRank0()) and not overlap_mod.can_overlap(Plain())
+    assert not overlap_mod.can_overlap(Plain())
     with pytest.raises(MlacError, match="overlap=1: must be True, False or None"):
         SchedulerConfig(overlap=1)
 

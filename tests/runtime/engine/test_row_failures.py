@@ -77,7 +77,7 @@ def poison_sampling(monkeypatch, after: int = 2) -> list[int]:
     the number of rows of each call that raised."""
     raised: list[int] = []
     calls = [0]
-    sample = sampling.sample
+    sample = sampling.sample_deferred  # what sample and sample_apart (deferred or not) run
 
     def patched(logits, params, generators):
         if any(p.seed == POISON_SEED for p in params):
@@ -87,7 +87,7 @@ def poison_sampling(monkeypatch, after: int = 2) -> list[int]:
                 raise RuntimeError(BOOM)
         return sample(logits, params, generators)
 
-    monkeypatch.setattr(sampling, "sample", patched)
+    monkeypatch.setattr(sampling, "sample_deferred", patched)
     return raised
 
 
@@ -109,6 +109,27 @@ def test_a_row_whose_sampling_raises_fails_alone(engine, alone, monkeypatch, ove
     assert outputs(innocents) == alone  # seeded draws included: the failed attempt is not counted
     assert poison.finish_reason == "error" and poison.error == f"RuntimeError: {BOOM}"
     assert len(poison.output_ids) == 2  # the tokens it had before its row failed
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_row_that_is_no_distribution_fails_alone(engine, alone, monkeypatch, overlap):
+    """NaN probabilities in one row (here: its min-p filter made to return NaN): the plain path finds
+    it when the batch's draw is checked, overlap when the flight lands (nothing waits for the device
+    at the draw); the row fails with one line, the others get their tokens as alone."""
+    min_p = sampling.apply_min_p
+
+    def nan_row(x, p):
+        out = min_p(x, p)
+        out[p == 0.5] = float("nan")
+        return out
+
+    monkeypatch.setattr(sampling, "apply_min_p", nan_row)
+    poison = ([20, 21], SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, min_p=0.5, seed=7))
+    seqs, _ = run(engine, [*INNOCENTS, poison], overlap)
+    *innocents, bad = seqs
+    assert outputs(innocents) == alone
+    assert bad.finish_reason == "error" and bad.output_ids == []
+    assert bad.error.endswith(sampling.NOT_A_DISTRIBUTION) and bad.error.startswith("ValueError: ")
 
 
 def test_a_row_whose_detokenizer_raises_fails_alone(engine, alone, monkeypatch):

@@ -114,11 +114,14 @@ def test_the_operations_do_not_grow_with_the_batch(mix):
 def test_a_row_that_is_not_a_distribution_is_refused_by_name():
     probs = torch.rand(4, V).softmax(dim=-1)
     probs[2, 5] = float("nan")
-    with pytest.raises(ValueError, match=r"^rows \[2\]: "):
-        draw(probs, [None] * 4)
-    probs[2] = 0.0
-    with pytest.raises(ValueError, match=r"^rows \[2\]: "):
-        draw(probs, [None, torch.Generator().manual_seed(0), None, None])
+    assert draw(probs, [None] * 4)[1].tolist() == [True, True, False, True]  # nothing raised, no wait
+    logits = torch.randn(4, V)
+    logits[2, 5] = float("nan")
+    params = [SamplingParams(temperature=1.0)] * 4
+    with pytest.raises(ValueError, match=r"^rows \[2\]: the probabilities hold inf, nan"):
+        sample(logits, params, [None, torch.Generator().manual_seed(0), None, None])
+    ids, bad = sampling.sample_deferred(logits, params, [None] * 4)
+    assert bad.tolist() == [False, False, True, False] and ids.shape == (4,)
 
 
 def test_sample_apart_fails_the_bad_row_alone():
@@ -126,8 +129,8 @@ def test_sample_apart_fails_the_bad_row_alone():
     logits[1] = float("nan")
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
     gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    ids, errors = sampling.sample_apart(logits, params, gens)
-    assert list(errors) == [1]
+    ids, errors, bad = sampling.sample_apart(logits, params, gens)
+    assert list(errors) == [1] and bad is None
     alone = [
         sample(logits[i : i + 1], [params[i]], [torch.Generator().manual_seed(s)])
         for i, s in ((0, 1), (2, 3))

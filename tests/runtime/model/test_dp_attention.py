@@ -229,6 +229,12 @@ def graph_rank(rank: int, path: str, port: int, out) -> None:
         assert small.pieces(step) == [[0, 2], [1]]
         got = small.run(step).clone()
         errors.append(rel(got, runner.dp.run(runner.model, runner.cache, step)))
+        # overlap scheduling's decode steps: the ids on the device in step order (not rank order)
+        for g, decode in ((graphs, steps[0]), (graphs, steps[1]), (small, step)):
+            ids = torch.tensor(decode.token_ids)
+            errors.append(rel(g.run(decode, ids=ids).clone(), g.run(decode).clone()))
+            fed = runner.dp.run(runner.model, runner.cache, decode, ids)
+            errors.append(rel(fed, runner.dp.run(runner.model, runner.cache, decode)))
         out.put((rank, errors))
     finally:
         dist.destroy_process_group()
@@ -237,7 +243,8 @@ def graph_rank(rank: int, path: str, port: int, out) -> None:
 def test_decode_graphs_match_the_eager_dp_step(compiled):
     """The DP-attention graph step (rows per rank padded to one bucket, exchange inside) gives the
     eager DP step's logits, with one rank idle, uneven rows, flattened extends, and a decode step
-    above the largest bucket in pieces (every rank the same pieces)."""
+    above the largest bucket in pieces (every rank the same pieces); and with the token ids on the
+    device in step order (overlap scheduling), graphs and eager alike, the logits of the host ids."""
     import socket
 
     import torch.multiprocessing as mp
@@ -255,7 +262,7 @@ def test_decode_graphs_match_the_eager_dp_step(compiled):
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
     results = dict(out.get(timeout=5) for _ in procs)
-    assert results[0] == results[1] and len(results[0]) == 5
+    assert results[0] == results[1] and len(results[0]) == 11
     assert max(results[0]) < 1e-5
 
 

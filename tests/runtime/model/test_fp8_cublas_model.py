@@ -21,14 +21,13 @@ import json
 
 import pytest
 import torch
-from test_fp8_cublas import emulated, small_weights  # noqa: F401  (fixtures)
+from test_fp8_cublas import emulated, routed, small_weights  # noqa: F401  (fixtures)
 
 import mlac.runtime.model.layers as layers
 from mlac.compiler.pipeline import compile_checkpoint
 from mlac.core.artifact import CompileOptions
-from mlac.kernels.fp8_quant import Fp8Act
 from mlac.runtime.engine.engine import Engine
-from mlac.runtime.engine.sampling import SamplingParams
+from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.scheduler import SchedulerConfig
 from mlac.runtime.model.layers import Linear
 from mlac.synth import synthesize
@@ -56,21 +55,6 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def fp8_linears(engine: Engine) -> list[Linear]:
     return [m for m in engine.runner.model.modules() if isinstance(m, Linear) and m.fp8]
-
-
-@pytest.fixture
-def routed(small_weights, monkeypatch) -> list[tuple[int, bool]]:  # noqa: F811
-    """(rows, reads an Fp8Act) of every call of the cuBLAS route (eager calls, and captures)."""
-    calls: list[tuple[int, bool]] = []
-    real = layers.cublas_fp8_linear
-
-    def spy(x, w, scale):
-        a = x.q if isinstance(x, Fp8Act) else x
-        calls.append((a.numel() // a.shape[-1], isinstance(x, Fp8Act)))
-        return real(x, w, scale)
-
-    monkeypatch.setattr(layers, "cublas_fp8_linear", spy)
-    return calls
 
 
 def test_the_route_changes_no_logit_and_no_token_on_cpu(wide_fp8, emulated, routed, monkeypatch):  # noqa: F811
@@ -108,7 +92,7 @@ def same_tokens_but_near_ties(on: list, off: list) -> int:
 
 
 @pytest.mark.gpu
-def test_gpu_the_route_gives_the_greedy_tokens_of_the_triton_gemm(wide_fp8, routed):
+def test_gpu_the_route_gives_the_greedy_tokens_of_the_triton_gemm(wide_fp8, routed):  # noqa: F811
     """Prefills of 40-100 rows and decode batches of 33-40 sequences (CUDA-graph buckets of 48 rows)
     through cuBLAS, against the same engine with the option off."""
     kw = dict(device="cuda", dtype=torch.bfloat16, verify=False, num_blocks=512, cuda_graph_max_bs=64,

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from _hf_convert import raw_config
-from test_fp8_cublas import emulated, small_weights  # noqa: F401  (fixtures)
+from test_fp8_cublas import emulated, routed, small_weights  # noqa: F401  (fixtures)
 
 from mlac.core.config import ModelConfig
 from mlac.core.errors import MlacError
@@ -132,19 +132,9 @@ def test_weights_are_taken_exactly_once():
 
 
 @pytest.fixture
-def cublas_calls(emulated, small_weights, monkeypatch) -> list[tuple[int, bool]]:  # noqa: F811
-    """layers.cublas_fp8_linear spied ((rows, reads an Fp8Act) of each call), torch._scaled_mm
-    emulated on the CPU (test_fp8_cublas.emulated)."""
-    calls: list[tuple[int, bool]] = []
-    real = layers.cublas_fp8_linear
-
-    def spy(x, w, scale):
-        a = x.q if isinstance(x, Fp8Act) else x
-        calls.append((a.numel() // a.shape[-1], isinstance(x, Fp8Act)))
-        return real(x, w, scale)
-
-    monkeypatch.setattr(layers, "cublas_fp8_linear", spy)
-    return calls
+def cublas_calls(emulated, routed) -> list[tuple[int, bool]]:  # noqa: F811
+    """layers.cublas_fp8_linear spied (test_fp8_cublas.routed), torch._scaled_mm emulated on the CPU."""
+    return routed
 
 
 def fp8_linear_of(n: int, k: int) -> Linear:
