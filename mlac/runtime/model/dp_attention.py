@@ -14,8 +14,9 @@ attention weights whole on every rank (passes/shard.py; recorded as `plan.dp_att
                          its own sequences only (none: an idle rank skips attention, yet joins
                          every collective), then per layer:
     TokenExchange        gathers the ranks' hidden states before the MLP / MoE (ragged: padded to
-                         the step's largest rank; every rank knows every count from the Step, so
-                         no collective is spent on counts), runs the sharded MLP / MoE over all
+                         the step's largest rank; even, as in a CUDA graph's bucket: the collective
+                         alone; every rank knows every count from the Step, so no collective is
+                         spent on counts), runs the sharded MLP / MoE over all
                          tokens, and reduce-scatters the partial sums back to each rank's tokens
     logits               each rank's sampled rows are gathered the same way; the vocab-parallel
                          head then gives every rank the logits of every sequence, in step order
@@ -67,8 +68,17 @@ class TokenExchange:
         """Every rank's rows [sum(counts), ...] -> this rank's."""
         return x[self.start : self.start + self.counts[self.rank]]
 
+    @property
+    def even(self) -> bool:
+        """Every rank has as many rows (a CUDA graph's bucket): no padding, no reordering."""
+        return len(set(self.counts)) == 1
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:  # [n_rank, D] -> [sum(counts), D]
         m, size = max(self.counts), len(self.counts)
+        if self.even:  # the collective alone: rank r's rows land at r·m, as the padded path's cat puts them
+            out = x.new_empty(size * m, x.shape[1])
+            _all_gather(out, x.contiguous(), group=self.group)
+            return out
         padded = x.new_zeros(m, x.shape[1])
         padded[: x.shape[0]] = x
         out = x.new_empty(size * m, x.shape[1])  # [size·m, D]: rank r's rows at r·m
@@ -77,6 +87,10 @@ class TokenExchange:
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:  # [sum(counts), D] -> [n_rank, D]
         m, size = max(self.counts), len(self.counts)
+        if self.even:  # y is already [size·m, D] in rank order: the collective alone
+            out = y.new_empty(m, y.shape[1])
+            _reduce_scatter(out, y.contiguous(), group=self.group)
+            return out
         padded = y.new_zeros(size, m, y.shape[1])
         starts = list(itertools.accumulate(self.counts, initial=0))
         for r, n in enumerate(self.counts):

@@ -310,6 +310,58 @@ def test_dp_attention_needs_several_ranks(checkpoint, tmp_path):
 # ---- the parts: Step, routing ------------------------------------------------------------------
 
 
+def exchange_rank(rank: int, port: int, out) -> None:
+    """One gloo rank of test_token_exchange_...: gather and scatter for even and uneven counts,
+    against what every rank's seeded rows say they must be."""
+    import torch.distributed as dist
+
+    from mlac.runtime.model.dp_attention import TokenExchange
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results = []
+        for counts in ((3, 3), (1, 4), (2, 0)):
+            rows = [
+                torch.randn(n, 5, generator=torch.Generator().manual_seed(10 * r + n))
+                for r, n in enumerate(counts)
+            ]
+            partial = [
+                torch.randn(sum(counts), 5, generator=torch.Generator().manual_seed(100 + r))
+                for r in range(2)
+            ]
+            ex = TokenExchange(counts, rank, dist.group.WORLD)
+            start = sum(counts[:rank])
+            gathered_ok = torch.equal(ex.gather(rows[rank]), torch.cat(rows))
+            mine = (partial[0] + partial[1])[start : start + counts[rank]]
+            scattered_ok = torch.allclose(ex.scatter(partial[rank]), mine, atol=1e-6)
+            results.append((ex.even, gathered_ok, scattered_ok))
+        out.put((rank, results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_token_exchange_gathers_and_scatters_even_and_uneven_counts():
+    """Even counts (a CUDA graph's bucket) take the collectives alone, uneven ones pad: both give
+    every rank's rows in rank order, and each rank's rows of the summed partials."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=exchange_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    results = dict(out.get(timeout=5) for _ in procs)
+    assert results[0] == results[1] == [(True, True, True), (False, True, True), (False, True, True)]
+
+
 def test_step_parts_and_rows_per_rank():
     step = Step.of([[1, 2], [3], [4, 5, 6]], [0, 7, 0], [[0], [1], [2]], ranks=[1, 0, 1])
     assert step.rank_tokens(3) == (1, 5, 0)
