@@ -189,6 +189,27 @@ def test_preemption_stays_within_a_rank(compiled):
         assert [s.output_ids for s in seqs] == want
 
 
+def two_gloo_ranks(target, *args, timeout: float = 120) -> dict:
+    """target(rank, *args, port, queue) in two spawned processes joined over gloo on a free local
+    port; each puts (rank, result) on the queue. Returns {rank: result}, both having exited 0."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    assert [p.exitcode for p in procs] == [0, 0]
+    return dict(out.get(timeout=5) for _ in procs)
+
+
 def graph_rank(rank: int, path: str, port: int, out) -> None:
     """One rank of test_decode_graphs_match_the_eager_dp_step (a spawned process): eager DP steps
     against DPDecodeGraphs' padded static-buffer step (not captured on CPU), on the same Steps."""
@@ -245,23 +266,7 @@ def test_decode_graphs_match_the_eager_dp_step(compiled):
     eager DP step's logits, with one rank idle, uneven rows, flattened extends, and a decode step
     above the largest bucket in pieces (every rank the same pieces); and with the token ids on the
     device in step order (overlap scheduling), graphs and eager alike, the logits of the host ids."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    path = str(compiled("tiny-v3", tp=2, dp=True))
-    procs = [ctx.Process(target=graph_rank, args=(r, path, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
-    results = dict(out.get(timeout=5) for _ in procs)
+    results = two_gloo_ranks(graph_rank, str(compiled("tiny-v3", tp=2, dp=True)))
     assert results[0] == results[1] and len(results[0]) == 11
     assert max(results[0]) < 1e-5
 
@@ -343,22 +348,7 @@ def exchange_rank(rank: int, port: int, out) -> None:
 def test_token_exchange_gathers_and_scatters_even_and_uneven_counts():
     """Even counts (a CUDA graph's bucket) take the collectives alone, uneven ones pad: both give
     every rank's rows in rank order, and each rank's rows of the summed partials."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=exchange_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    results = dict(out.get(timeout=5) for _ in procs)
+    results = two_gloo_ranks(exchange_rank, timeout=60)
     assert results[0] == results[1] == [(True, True, True), (False, True, True), (False, True, True)]
 
 
