@@ -8,6 +8,7 @@ import click
 
 from mlac.cli.common import friendly_errors, log, print_json, progress
 from mlac.cli.flags import (
+    ATTENTION_BACKEND,
     CHUNKED_PREFILL_SIZE,
     CUDA_GRAPH_MAX_BS,
     DEVICE,
@@ -149,7 +150,10 @@ def compile(model_dir, out_dir, fp8, tp, ep, dp_attention, kv_cache_dtype, cuda_
     MAX_RUNNING_REQUESTS.but(type=click.IntRange(1), help="As serve's: the largest decode batch warmed up."),
     CHUNKED_PREFILL_SIZE.but(type=click.IntRange(1), help="As serve's: the largest prefill warmed up."),
     CUDA_GRAPH_MAX_BS.but(help="As serve's: the largest decode batch captured as a CUDA graph."),
-)
+    ATTENTION_BACKEND.but(multiple=True, default=("triton",), help="As serve's, repeatable: the attention "
+                          "backends the server may run (--attention-backend triton --attention-backend "
+                          "flashinfer: one unit for both; flashinfer's modules are stored in it too)."),
+)  # fmt: skip
 @click.option("--cache-out", type=click.Path(path_type=Path), default=None,
               help="Write the kernel-cache unit to this folder (new, empty, or a unit: replaced) instead of "
                    "OUT_DIR/cache/<target>/: a GPU job then publishes megabytes, not the weights.")  # fmt: skip
@@ -162,13 +166,18 @@ def prepare(out_dir, cache_out, **flags):
     unit.json with this GPU's signature (name, compute capability, CUDA, driver, torch, triton),
     bound to the artifact's identity, under OUT_DIR/cache/<target>/ (or --cache-out). The artifact's
     manifest and identity do not change. Atomic. A server on a GPU of the same signature then
-    compiles nothing. Preparing a target again replaces its unit.
+    compiles nothing. Preparing a target again replaces its unit. With --attention-backend
+    flashinfer, FlashInfer's compiled MLA modules are stored in the unit too.
     """
     from mlac.runtime.engine.options import EngineOptions
+    from mlac.runtime.worker.backend_check import refuse_launch
     from mlac.tools.prepare import prepare as run_prepare
 
+    backends = list(dict.fromkeys(flags.pop("attention_backend")))  # each once, in the order given
+    for backend in backends:
+        refuse_launch(backend, flags["device"], flags["dtype"])
     options = EngineOptions.of(**option_fields(flags))
-    unit, folder = run_prepare(out_dir, options, log=log, cache_out=cache_out)
+    unit, folder = run_prepare(out_dir, options, log=log, cache_out=cache_out, backends=backends)
     click.echo(
         f"prepared {out_dir} for {unit.key}: {len(unit.files)} files, {unit.bytes / 1e6:.1f} MB in {folder}"
     )

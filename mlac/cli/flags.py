@@ -76,6 +76,13 @@ def _kernel_cache(require_prepared: bool, parsed: Mapping[str, Any]) -> str:
     return "require" if require_prepared else "use"
 
 
+def _attention_backend(value: str, parsed: Mapping[str, Any]) -> str:
+    from mlac.runtime.worker.backend_check import refuse_launch
+
+    refuse_launch(value, parsed.get("device"), parsed.get("dtype"))  # before any process starts
+    return value
+
+
 def _overlap(disabled: bool, parsed: Mapping[str, Any]) -> bool | None:
     return False if disabled else None  # None: on CUDA
 
@@ -130,6 +137,11 @@ KV_CACHE_DTYPE = Flag("--kv-cache-dtype", field="kv_cache_dtype", convert=_state
                       "fp8_e4m3).")  # fmt: skip
 REQUIRE_PREPARED = Flag("--require-prepared", field="kernel_cache", convert=_kernel_cache, is_flag=True,
                         help="On a GPU, refuse to start without a kernel cache of this GPU's signature (prepare).")  # fmt: skip
+# SGLang's name for the choice (vLLM's is the VLLM_ATTENTION_BACKEND variable)
+ATTENTION_BACKEND = Flag("--attention-backend", field="attention_backend", convert=_attention_backend,
+                         type=click.Choice(["triton", "flashinfer"]), default="triton", show_default=True,
+                         help="Whose kernel runs the MLA attention of decode steps: mlac's Triton kernel, or "
+                         "FlashInfer's (installed; CUDA, bfloat16, a bf16 KV cache); prefill keeps mlac's.")  # fmt: skip
 REQUIRE_SIGNATURE = Flag("--require-signature", field="require_signature", default=None,
                          type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="PUB.pem",
                          help="Refuse an artifact not signed with this public key's private key (mlac sign), "
@@ -221,7 +233,7 @@ LOG_STATS_INTERVAL = Flag("--log-stats-interval", field="log_stats_interval", ty
 
 RUNTIME_FLAGS = (DEVICE, DTYPE, NO_VERIFY, KV_CACHE_BYTES, NUM_BLOCKS, CUDA_GRAPH, CUDA_GRAPH_MAX_BS,
                  DP_ATTENTION, TENSOR_PARALLEL_SIZE, KV_CACHE_DTYPE, GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN,
-                 REQUIRE_PREPARED, REQUIRE_SIGNATURE)  # fmt: skip
+                 REQUIRE_PREPARED, REQUIRE_SIGNATURE, ATTENTION_BACKEND)  # fmt: skip
 SOURCE_FLAGS = (DOWNLOAD_DIR, PLAIN_HTTP)
 SCHEDULER_FLAGS = (MAX_RUNNING_REQUESTS, CHUNKED_PREFILL_SIZE, PREFIX_CACHE, SPECULATIVE_ALGORITHM,
                    SPECULATIVE_NUM_STEPS, DISABLE_OVERLAP_SCHEDULE)  # fmt: skip

@@ -11,6 +11,7 @@ import click
 
 from mlac.cli.common import early_launch, friendly_errors, log, progress
 from mlac.cli.flags import (
+    ATTENTION_BACKEND,
     CHAT_TEMPLATE,
     CUDA_GRAPH,
     CUDA_GRAPH_MAX_BS,
@@ -57,6 +58,7 @@ TRUSTED_STORAGE_HELP = "Trusted storage: check file sizes only, skip sha256."
     NO_VERIFY,
     CUDA_GRAPH_MAX_BS.but(default=1, help="Largest decode batch captured as a CUDA graph (one prompt: 1)."),
     CUDA_GRAPH,
+    ATTENTION_BACKEND,
 )
 @memory_flags
 @artifact_flags
@@ -132,6 +134,7 @@ def read_json_schema(path: Path) -> str:
     NUM_BLOCKS.but(type=click.IntRange(1), help="KV cache blocks of 16 tokens (default: CUDA, the memory plan; "
                    "CPU, what the largest batch needs)."),
     NO_VERIFY.but(help=TRUSTED_STORAGE_HELP),
+    ATTENTION_BACKEND,
 )  # fmt: skip
 @click.option(
     "--temperature",
@@ -192,7 +195,8 @@ def bench(
             rt = options.runtime
             settings = dict(input_len=input_len, output_len=output_len, cuda_graph=rt.cuda_graph,
                             cuda_graph_max_bs=rt.cuda_graph_max_bs, dtype=rt.dtype_name, profile=prof,
-                            speculative_num_steps=spec, sampling=sampling)  # fmt: skip
+                            speculative_num_steps=spec, attention_backend=rt.attention_backend,
+                            sampling=sampling)  # fmt: skip
             json_path.write_text(b.to_json(engine, bandwidth, results, **settings) + "\n")
 
 

@@ -14,6 +14,7 @@ import click
 from mlac.cli.common import PROCESS_START, friendly_errors
 from mlac.cli.flags import (
     API_KEY,
+    ATTENTION_BACKEND,
     CHAT_TEMPLATE,
     CHUNKED_PREFILL_SIZE,
     CUDA_GRAPH,
@@ -67,7 +68,7 @@ from mlac.cli.ship import ARTIFACT, fetched
 @click.option(
     "--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True, help="Rendezvous port."
 )
-@with_flags(CUDA_GRAPH, CUDA_GRAPH_MAX_BS, DP_ATTENTION, WARMUP)
+@with_flags(CUDA_GRAPH, CUDA_GRAPH_MAX_BS, DP_ATTENTION, ATTENTION_BACKEND, WARMUP)
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
@@ -131,7 +132,11 @@ def serve(out_dir, nnodes, node_rank, master_addr, master_port, log_level, engin
 
 def check_stated(out_dir, flags: dict) -> None:
     """--tensor-parallel-size, --kv-cache-dtype and --dp-attention against the artifact's manifest,
-    when any is given: refused here, before any process starts (runtime/expect.py)."""
+    when any is given, and --attention-backend against --device, --dtype and what is installed:
+    refused here, before any process starts (runtime/expect.py, worker/backend_check.py)."""
+    from mlac.runtime.worker.backend_check import refuse_launch  # (no torch, no flashinfer import)
+
+    refuse_launch(flags["attention_backend"], flags["device"], flags["dtype"])
     stated = option_fields({k: flags[k] for k in ("tensor_parallel_size", "kv_cache_dtype", "dp_attention")})
     # none stated: the manifest is not read here (pydantic's import would delay the engine's process)
     if any(v is not None for v in stated.values()):

@@ -10,6 +10,9 @@ folder of its own (`prepare --cache-out DIR`), and travels as its own OCI artifa
     cache/<key>/unit.json      UnitManifest (sorted keys, no timestamps)
     cache/<key>/unit.sha256    "<sha256 of unit.json>  unit.json"
     cache/<key>/triton/...     Triton's cache directory (group files with relative member paths)
+    cache/<key>/flashinfer/... optional: FlashInfer's built MLA modules, as they lie in its JIT
+                               workspace (`.cache/flashinfer/<version>/<arch>/cached_ops/<name>/<name>.so`),
+                               for `--attention-backend flashinfer`; `flashinfer` names their version
     cache/<key>/unit.sig.json  its signature (optional; outside what it signs)
 
 Artifacts of schema 1 and 2 listed a target's cache in the manifest itself (`Manifest.caches`,
@@ -88,11 +91,14 @@ UNIT_MANIFEST = "unit.json"
 UNIT_IDENTITY = "unit.sha256"
 UNIT_SCHEMA_VERSION = 1
 TRITON_DIR = "triton"
+FLASHINFER_DIR = "flashinfer"
 
 
 class UnitManifest(Frozen):
     """What a unit holds: `files` (paths relative to the unit folder) compiled for `signature`,
-    for the artifact whose identity is `base_identity`."""
+    for the artifact whose identity is `base_identity`: Triton's under triton/ and, where `flashinfer`
+    names the FlashInfer version that built them, FlashInfer's modules under flashinfer/. A unit
+    without FlashInfer's modules leaves the field out of its unit.json (the bytes an older mlac wrote)."""
 
     kind: Literal["mlac-kernel-cache"] = "mlac-kernel-cache"
     schema_version: Literal[1] = UNIT_SCHEMA_VERSION
@@ -101,13 +107,21 @@ class UnitManifest(Frozen):
     signature: TargetSignature
     mlac_version: str
     files: list[FileEntry]
+    flashinfer: str | None = None  # the version of FlashInfer that built the modules under flashinfer/
 
     @property
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def files_under(self, folder: str) -> list[FileEntry]:
+        """The files under `folder` (TRITON_DIR, FLASHINFER_DIR) of the unit."""
+        return [f for f in self.files if f.path.startswith(folder + "/")]
+
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        record = self.model_dump(mode="json")
+        if record["flashinfer"] is None:
+            del record["flashinfer"]
+        return json.dumps(record, indent=2, sort_keys=True) + "\n"
 
 
 def unit_identity_record(identity: str) -> str:
@@ -150,4 +164,5 @@ def unit_identity(folder: str | Path) -> str:
 
 def describe(unit: UnitManifest) -> dict[str, Any]:
     """The unit as `inspect --json` and `pull --json` show it."""
-    return {"key": unit.key, "target": unit.signature.label(), "files": len(unit.files), "bytes": unit.bytes}
+    shown = {"key": unit.key, "target": unit.signature.label(), "files": len(unit.files), "bytes": unit.bytes}
+    return shown if unit.flashinfer is None else {**shown, "flashinfer": unit.flashinfer}

@@ -10,12 +10,20 @@ manifest, identity and signature stay as they were compiled. The unit goes to `c
 the artifact, or with `cache_out` to a folder of its own (a GPU job then publishes megabytes, not
 the weights). Preparing a target again replaces its unit.
 
+With the FlashInfer attention backend (`backends` holding "flashinfer"), FlashInfer's workspace
+(FLASHINFER_WORKSPACE_BASE) points at a fresh empty folder too, and the MLA modules that FlashInfer
+built there (JIT: nvcc and ninja, about 20 s each) are stored in the same unit under `flashinfer/`,
+as they lie in that workspace, with the FlashInfer version in unit.json: a server started with that
+backend loads them and builds nothing. One prepare may warm several backends in turn (each engine
+built, warmed, freed), into the same caches: a unit for both serves either.
+
 Atomic: the unit is built in a temporary folder beside its destination's parent (`.<name>.tmp-<pid>`,
 outside the artifact), fsynced, then renamed into place (an older unit renamed aside first). A prepare
 killed outright leaves that folder, which the next prepare to the same place removes once its
 process is gone. NOTE: a kernel that this process compiled before `prepare` (held in Triton's memory)
 is not written to the fresh directory: run prepare in a process that has run no Triton kernel (the
-CLI does; `compile --prepare` compiles on the CPU first).
+CLI does; `compile --prepare` compiles on the CPU first). The same holds for a FlashInfer module this
+process loaded before.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import gc
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -34,6 +43,7 @@ from mlac.core.files import FileEntry, sha256_file
 from mlac.core.progress import Watch, human_bytes
 from mlac.core.units import (
     CACHE_DIR,
+    FLASHINFER_DIR,
     TRITON_DIR,
     UNIT_IDENTITY,
     UNIT_MANIFEST,
@@ -44,7 +54,9 @@ from mlac.core.units import (
 )
 from mlac.core.validity import check_artifact
 from mlac.core.version import __version__
+from mlac.kernels.attention.flashinfer_mla import WORKSPACE_ENV, point_flashinfer_at, workspace_modules
 from mlac.runtime.engine.options import EngineOptions
+from mlac.runtime.worker.backend_check import flashinfer_version
 from mlac.runtime.worker.kernel_cache import is_group, portable_group, triton_cache_dir
 from mlac.runtime.worker.target import current_target
 
@@ -78,14 +90,18 @@ def prepare(
     warm: Callable[[Path, Path, EngineOptions], None] | None = None,
     cache_out: str | Path | None = None,
     progress_stream: TextIO | None = None,
+    backends: Sequence[str] | None = None,
 ) -> tuple[UnitManifest, Path]:
     """Compile every kernel the server meets on `options.runtime.device` (default: the server's
     options on "cuda") for the artifact at `root` into a unit (module docstring) at `cache_out`,
-    else at root/cache/<key>; return it and its folder. MlacError: not an artifact, no GPU, or a
-    `cache_out` that holds something else than a unit. While the kernels compile, a line on
-    `progress_stream` (default stderr) at least every 10 s says how many files Triton has written."""
+    else at root/cache/<key>; return it and its folder. `backends`: the attention backends warmed, in
+    turn (default: options.runtime.attention_backend's alone). MlacError: not an artifact, no GPU, a
+    `cache_out` that holds something else than a unit, or a FlashInfer backend that built no module.
+    While the kernels compile, a line on `progress_stream` (default stderr) at least every 10 s says
+    how many files Triton has written."""
     root = Path(root)
     options = options or EngineOptions.of(device="cuda")
+    backends = list(backends or [options.runtime.attention_backend])
     device = options.runtime.device
     identity = check_artifact(root, hashes=False).identity  # the weights are hashed as they load
     target = current_target(device)
@@ -104,14 +120,20 @@ def prepare(
     try:
         with (
             tempfile.TemporaryDirectory(prefix="mlac-prepare-") as compiled,
+            tempfile.TemporaryDirectory(prefix="mlac-prepare-flashinfer-") as fi_built,
             triton_cache_dir(Path(compiled)),
+            flashinfer_workspace(Path(fi_built)),
         ):
-            log(f"compiling the kernels of {target.label()} (CUDA graphs, warm-up) ...")
-            with Watch("compiling kernels", lambda: _compiled(Path(compiled)), stream=progress_stream):
-                (warm or warm_kernels)(root, Path(compiled), options)
+            for backend in backends:
+                log(
+                    f"compiling the kernels of {target.label()} (CUDA graphs, warm-up, {backend} attention) ..."
+                )
+                with Watch("compiling kernels", lambda: _compiled(Path(compiled)), stream=progress_stream):
+                    (warm or warm_kernels)(root, Path(compiled), options.updated(attention_backend=backend))
             files = store_cache(Path(compiled), tmp / TRITON_DIR, TRITON_DIR)
+            modules = store_modules(Path(fi_built), tmp / FLASHINFER_DIR) if "flashinfer" in backends else []
         unit = UnitManifest(base_identity=identity, key=key, signature=target, mlac_version=__version__,
-                            files=files)  # fmt: skip
+                            files=files + modules, flashinfer=flashinfer_version() if modules else None)  # fmt: skip
         _write_synced(tmp / UNIT_MANIFEST, unit.to_json().encode())
         _write_synced(tmp / UNIT_IDENTITY, unit_identity_record(unit_identity(tmp)).encode())
         replace_folder(tmp, dest, spot)
@@ -165,6 +187,39 @@ def store_cache(src: Path, dst: Path, rel: str) -> list[FileEntry]:
         files.append(FileEntry(path=f"{rel}/{part}", size=len(data), sha256=sha256_file(out)))
     if not files:
         raise MlacError("the warm-up compiled no Triton kernel: nothing to store (is the device a GPU?)")
+    return files
+
+
+@contextmanager
+def flashinfer_workspace(path: Path) -> Iterator[Path]:
+    """FlashInfer's workspace is `path` inside the block; the environment is restored after (and an
+    imported flashinfer pointed back at the workspace it had)."""
+    before = os.environ.get(WORKSPACE_ENV)
+    point_flashinfer_at(path)
+    try:
+        yield path
+    finally:
+        point_flashinfer_at(Path(before) if before is not None else Path.home())
+        if before is None:
+            os.environ.pop(WORKSPACE_ENV, None)
+
+
+def store_modules(src: Path, dst: Path) -> list[FileEntry]:
+    """Copy the modules FlashInfer built in its workspace `src` (workspace_modules: the libraries
+    alone) to `dst`, fsynced; return their entries as they will lie under the unit's flashinfer/."""
+    files = []
+    for rel in workspace_modules(src):
+        out = dst / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_synced(out, (src / rel).read_bytes())
+        files.append(
+            FileEntry(path=f"{FLASHINFER_DIR}/{rel}", size=out.stat().st_size, sha256=sha256_file(out))
+        )
+    if not files:
+        raise MlacError(
+            "the flashinfer warm-up built no FlashInfer module: nothing to store (was one loaded in this "
+            "process before prepare? run prepare in a fresh process)"
+        )
     return files
 
 

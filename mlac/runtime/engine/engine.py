@@ -48,6 +48,7 @@ from mlac.runtime.model.layers import Linear, Weights
 from mlac.runtime.model.model import DeepseekModel, MoE
 from mlac.runtime.model.parallel import ParallelLMHead
 from mlac.runtime.step import Step
+from mlac.runtime.worker.backend_check import check_backend
 from mlac.runtime.worker.build import make_cache
 from mlac.runtime.worker.kernel_cache import use_kernel_cache
 from mlac.runtime.worker.loader import to_compute_dtype
@@ -124,7 +125,10 @@ class Engine:
         (kernel_cache.use_kernel_cache). `dp_attention`: True / False refuses an artifact whose plan
         says otherwise (None: any). `chat_template`: a Jinja file used instead of the artifact's.
         `require_signature`: a PEM public key; the artifact's signature must verify with it before
-        anything loads, and a kernel-cache unit is used only if signed by it too."""
+        anything loads, and a kernel-cache unit is used only if signed by it too.
+        `attention_backend`: "flashinfer" runs decode attention through FlashInfer's MLA kernel
+        (worker/attention_backend.py), refused before anything loads where it cannot run
+        (backend_check.py), with the unit's FlashInfer modules when it holds them."""
         options = build(EngineOptions, fields, options)
         rt = options.runtime
         # the one check of a valid artifact (core/validity.py; the bytes are hashed as each rank reads
@@ -133,7 +137,9 @@ class Engine:
             path, hashes=False, identity_required=rt.verify, public_key=rt.require_signature
         )
         manifest = checked.manifest
-        use_kernel_cache(checked, rt.device, rt.kernel_cache, rt.verify, public_key=rt.require_signature)
+        check_backend(rt, manifest)  # --attention-backend flashinfer where it cannot run: one line
+        use_kernel_cache(checked, rt.device, rt.kernel_cache, rt.verify, public_key=rt.require_signature,
+                         attention_backend=rt.attention_backend)  # fmt: skip
         spec = options.scheduler.speculative_num_steps
         check_spec(spec, manifest.mtp is not None, manifest.plan.dp_attention)
         draft_layers = len(manifest.mtp.prefixes) if spec and manifest.mtp is not None else 0

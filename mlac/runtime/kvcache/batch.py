@@ -9,12 +9,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mlac.core.errors import MlacError
 from mlac.runtime.kvcache import shared_prefix
 from mlac.runtime.kvcache.shared_prefix import SharedPrefix
+
+if TYPE_CHECKING:
+    from mlac.kernels.attention.flashinfer_mla import PagedMLA
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,9 @@ class ForwardBatch:
     `ctx_lens[i] + q_lens[i]` tokens causally. `is_decode` (every q_len == 1) selects the
     absorbed attention over the paged cache; otherwise prefill/extend runs in MHA form over the
     sequences' cached tokens, gathered by `kv_slots`. Tensor dtypes follow the kernels'
-    contracts (kernels/attention/mla_decode.py, kernels/attention/extend.py).
+    contracts (kernels/attention/mla_decode.py, kernels/attention/extend.py). `paged_mla`: a decode
+    step's FlashInfer kernel, planned for these rows by the runner's attention backend
+    (worker/attention_backend.py); None: mlac's mla_decode.
     """
 
     is_decode: bool
@@ -41,6 +47,7 @@ class ForwardBatch:
     kv_slots: torch.Tensor  # [sum(seq_lens)] int64: every token's slot, per sequence (extend only)
     row_groups: torch.Tensor | None = None  # [2, B] int32: decode rows grouped per sequence (mla_decode)
     shared: SharedPrefix | None = None  # extend: cached blocks several sequences share (shared_prefix.py)
+    paged_mla: PagedMLA | None = None  # decode: FlashInfer's MLA, planned for this step's rows
 
     @property
     def num_seqs(self) -> int:

@@ -25,6 +25,10 @@ grouped (`row_groups`, kernels/attention/mla_decode.py): one program per group l
 once for all its rows. The CUDA graphs choose the form per step (mla_decode_plan.prefer_row_groups):
 64 rows after 2,000 cached tokens 50.1 against 91.2 us per row, 4 verify rows 20.0 against 26.3 us
 (H200, benchmarks/results/kernels_mla_rows_h200.json).
+With `paged` (the step's FlashInfer MLA wrapper, planned by the runner's attention backend:
+RuntimeOptions.attention_backend "flashinfer") the attention between the two head_bmms is
+FlashInfer's instead of mla_decode: its output is merged already, so the last head_bmm merges
+nothing; prefill and extend steps keep mlac's kernels either way.
 
 Sequences of an extend step that share cached blocks (prefix-cache hits on one system prompt,
 kvcache/shared_prefix.py) attend to them in one launch (`extend_shared`, cascade attention), in
@@ -36,6 +40,7 @@ ModelOptions.shared_prefix is on (the default; off for tests that compare the pl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +51,9 @@ from mlac.kernels.attention.mla_decode import mla_decode
 from mlac.kernels.attention.mla_decode_plan import decode_num_splits
 from mlac.kernels.fp8_quant import Fp8Act
 from mlac.runtime.kvcache.shared_prefix import SharedPrefix
+
+if TYPE_CHECKING:
+    from mlac.kernels.attention.flashinfer_mla import PagedMLA
 
 # head_bmm's merge reloads every used split's partials for each of its K steps. On an H200
 # (benchmarks/kernels/mla_out.py, V2-Lite, benchmarks/results/kernels_mla_out_router_h200.txt) it
@@ -173,6 +181,7 @@ def decode_absorbed(
     quant_out: bool = False,
     row_groups: torch.Tensor | None = None,  # [2, B] int32: the grouped form (mla_decode)
     fuse_out: bool = True,
+    paged: PagedMLA | None = None,
 ) -> torch.Tensor | Fp8Act:  # [B, H·v]
     """Absorbed decode, one new token per sequence: q_lat = q_nope·w_kc, MQA over the paged latents,
     o = o_lat·w_vc, flattened to o_proj's input [B, H·v]. `quant_out` (o_proj is FP8) returns its
@@ -180,14 +189,18 @@ def decode_absorbed(
     and v % 128 == 0, else o_proj quantizes the tensor returned). `fuse_out`: head_bmm merges the
     split-KV partials (up to FUSED_MERGE_MAX_SPLITS splits) and quantizes; False: the merge kernel
     and act_quant apart. `row_groups`: rows of one sequence attend in groups (mla_decode's grouped
-    form; same result)."""
+    form; same result). `paged`: FlashInfer's kernel planned for these rows, in mla_decode's place
+    (it reads the pool through the block tables it was planned with; no FP8 cache, no row groups)."""
     q_lat = head_bmm(q_nope, w_kc)  # [B, H, C] contiguous
-    splits = decode_num_splits(q_lat, kv_cache, block_tables, grouped=row_groups is not None)
-    fuse_merge = fuse_out and splits <= FUSED_MERGE_MAX_SPLITS
-    o_lat = mla_decode(
-        q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale,
-        merge=not fuse_merge, num_splits=splits, row_groups=row_groups,
-    )  # fmt: skip
+    if paged is not None:
+        o_lat = paged.run(q_lat, q_rope, kv_cache)  # [B, H, C], merged
+    else:
+        splits = decode_num_splits(q_lat, kv_cache, block_tables, grouped=row_groups is not None)
+        fuse_merge = fuse_out and splits <= FUSED_MERGE_MAX_SPLITS
+        o_lat = mla_decode(
+            q_lat, q_rope, kv_cache, block_tables, seq_lens, scale, kv_scale,
+            merge=not fuse_merge, num_splits=splits, row_groups=row_groups,
+        )  # fmt: skip
     quant_out = quant_out and fuse_out and w_vc.shape[-1] % BLOCK == 0
     o = head_bmm(o_lat, w_vc, quant_out=quant_out)  # [B, H, v] (o_lat may be SplitKV partials)
     return o if quant_out else o.flatten(1)

@@ -146,12 +146,13 @@ class MLAttention(nn.Module):
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
     ) -> torch.Tensor | Fp8Act:
         """Absorbed form, one new token per sequence: MQA over the paged latents -> [B, H_local·v],
-        quantized for `wo` when it is FP8. An FP8 cache is read with its per-layer scale."""
+        quantized for `wo` when it is FP8. An FP8 cache is read with its per-layer scale; the batch's
+        `paged_mla` (FlashInfer's, when the runner planned one) runs in mla_decode's place."""
         kv, kv_scale = cache.layers[self.layer], cache.kv_scale(self.layer)  # [blocks, block_size, C + R]
         return decode_absorbed(
             q_nope, q_rope, kv, batch.block_tables, batch.seq_lens, self.scale, kv_scale,
             self.w_kc, self.w_vc, quant_out=self.wo.fp8, row_groups=batch.row_groups,
-            fuse_out=self.options.fused_mla_out,
+            fuse_out=self.options.fused_mla_out, paged=batch.paged_mla,
         )  # fmt: skip
 
     def extend(

@@ -18,6 +18,7 @@ from mlac.runtime.model.dp_attention import DPRank
 from mlac.runtime.model.layers import Weights
 from mlac.runtime.model.model import DeepseekModel
 from mlac.runtime.model.parallel import SINGLE, ParallelContext
+from mlac.runtime.worker.attention_backend import make_attention
 from mlac.runtime.worker.dp_graphs import DPDecodeGraphs
 from mlac.runtime.worker.graphs import DecodeGraphs
 from mlac.runtime.worker.loader import load_artifact, start_load
@@ -127,7 +128,8 @@ def _assemble(
     tensors: dict[str, torch.Tensor],
 ) -> ModelRunner:
     """The runner over `tensors` (their values maybe still loading: nothing here reads them but the
-    captures' forwards, whose graphs keep only addresses): model, KV cache, CUDA graphs."""
+    captures' forwards, whose graphs keep only addresses): model, KV cache, attention backend, CUDA
+    graphs."""
     cfg, plan = manifest.model, manifest.plan
     ctx = SINGLE if group is None else ParallelContext(rank, plan.tp, plan.ep, group)
     source = job.path if plan.world_size == 1 else f"{job.path} (rank {rank})"
@@ -139,6 +141,7 @@ def _assemble(
         cfg, device, o.torch_dtype, o.num_blocks, o.kv_cache_bytes, o.block_size, kv_dtype, kv_scales,
         o.draft_layers,
     )  # fmt: skip
+    attention = make_attention(o.attention_backend, model, cache)  # FlashInfer's module loads here
     startup: dict[str, float] = {}
     graphs = draft = None
     if o.graphs_on(device):
@@ -146,7 +149,9 @@ def _assemble(
         max_context = min(o.max_model_len or cfg.max_position_embeddings, cache.capacity_tokens)
         buckets = o.graph_buckets(manifest)  # under DP attention: rows per rank
         if dp is None:
-            graphs = DecodeGraphs(model, cache, buckets, max_context, keep_hidden=o.draft_layers > 0)
+            graphs = DecodeGraphs(
+                model, cache, buckets, max_context, keep_hidden=o.draft_layers > 0, attention=attention
+            )
         else:
             graphs = DPDecodeGraphs(model, cache, buckets, max_context, dp)
         graphs.capture()  # every rank at once: the collectives inside the graphs line up
@@ -155,6 +160,6 @@ def _assemble(
             draft.capture(graphs.pool)
         startup["graphs_s"] = time.perf_counter() - start
         startup.update({f"graphs_{k}": v for k, v in graphs.timings.items()})  # eager runs, captures
-    runner = ModelRunner(model, cache, graphs, startup, dp)
+    runner = ModelRunner(model, cache, graphs, startup, dp, attention)
     runner.draft_graphs = draft
     return runner

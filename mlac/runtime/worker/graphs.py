@@ -48,6 +48,13 @@ replay: it asks `fits`, not `can_run`).
 Padding rows (T..bucket) decode token 0 at position 0 of a one-token sequence whose only block is
 the cache's scratch block (kvcache/paged.py): they read and write nothing a real sequence owns.
 
+With the FlashInfer attention backend (attention_backend.py) each bucket has its own FlashInfer
+wrapper, with fixed index buffers, that its graph's attention runs: planned (host work) for the
+padding rows before the buckets are captured, and for the step's rows after its inputs are written
+and before each replay. HAZARD: a captured run keeps the plan's launch geometry (FlashInfer's
+cluster size, from the mean query rows per row: always one here) and workspace offsets (fixed
+sizes); a replanned step changes only the workspace's contents. No grouped graphs then.
+
 Every rank of a multi-rank artifact captures the same buckets in the same order, so the
 collectives inside the graphs line up; every rank then replays the same bucket for each step.
 """
@@ -62,6 +69,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import torch
 
@@ -73,6 +81,7 @@ from mlac.runtime.kvcache.batch import ForwardBatch
 from mlac.runtime.kvcache.paged import PagedKVCache
 from mlac.runtime.model.model import DeepseekModel
 from mlac.runtime.step import Step
+from mlac.runtime.worker.attention_backend import TRITON, AttentionBackend
 
 log = logging.getLogger("mlac.runtime")
 
@@ -261,6 +270,7 @@ class DecodeInputs:
         )
         lead, kv_len = row_groups_host(step.ctx_lens, step.q_lens, self.group_rows, pad)
         lens = [p + 1 for p in positions] + [1] * pad
+        self.row_lens, self.width = lens, width  # the rows' lengths and table width, for a backend's plan
         self.host_lens[:, :bs] = torch.tensor([lens, lead, kv_len], dtype=torch.int32)
         self.host_tables[:step_rows, :width] = seq_rows
         self.host_tables[step_rows:bs, :width] = 0
@@ -286,9 +296,11 @@ class DecodeGraphs:
         max_context: int,
         keep_hidden: bool = False,
         row_groups: bool = True,
+        attention: AttentionBackend = TRITON,
     ):
         """`row_groups`: capture the grouped form too where the model's heads group
-        (decode_group_rows); False: every step per row."""
+        (decode_group_rows) and the backend runs it; False: every step per row. `attention`: the
+        runner's attention backend (a FlashInfer wrapper per bucket, module docstring)."""
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise MlacError(f"CUDA-graph buckets must be ascending positive sizes, got {buckets}")
         self.model, self.cache, self.buckets = model, cache, list(buckets)
@@ -296,8 +308,11 @@ class DecodeGraphs:
         max_blocks = -(-max_context // cache.block_size)
         self.n_heads = model.layers[0].attn.n_local_heads
         self.kv_dtype = cache.layers[0].dtype
-        self.group_rows = decode_group_rows(self.n_heads, device, self.kv_dtype) if row_groups else 1
+        grouping = row_groups and attention.groups_rows
+        self.group_rows = decode_group_rows(self.n_heads, device, self.kv_dtype) if grouping else 1
         self.inputs = DecodeInputs(buckets[-1], max_blocks, cache, device, self.group_rows)
+        # bucket -> its attention backend's wrapper (FlashInfer's); None: mla_decode
+        self.mla = attention.graph_wrappers(self.buckets, max_blocks)
         self.logits = torch.empty(buckets[-1], model.config.vocab_size, dtype=torch.float32, device=device)
         # keep_hidden: the final hidden states too (speculative decoding's MTP layer reads them)
         d = model.config.hidden_size
@@ -316,6 +331,9 @@ class DecodeGraphs:
 
     def _step(self, bs: int, grouped: bool = False) -> None:
         ids, batch = self.inputs.batch(bs, grouped)
+        mla = None if grouped else self.mla[bs]
+        if mla is not None:  # planned already (capture, _replay): outside any capture
+            batch = replace(batch, paged_mla=mla)
         hidden = self.model(ids, batch, self.cache)
         self.model.logits_into(hidden, self.logits[:bs])
         if self.hidden is not None:
@@ -326,6 +344,9 @@ class DecodeGraphs:
         """Capture every bucket, largest first, into one pool (capture_buckets); then, where rows
         group, the grouped buckets again in the grouped form, into the same pool."""
         warm_once = self.warm_once
+        for bs, mla in self.mla.items():  # every row a padding row (DecodeInputs): one page each
+            if mla is not None:
+                mla.plan(self.inputs.tables[:bs, :1], [1] * bs)
         self.graphs, self.pool = capture_buckets(
             self.buckets, self._step, self.pool, self.timings, "", warm_once
         )
@@ -382,6 +403,9 @@ class DecodeGraphs:
         grouped = self.grouped(step)
         bs = pick_bucket(self.grouped_buckets if grouped else self.buckets, len(step.token_ids))
         self.inputs.fill(step, bs, ids)
+        mla = None if grouped else self.mla[bs]
+        if mla is not None:  # after the inputs' copies (stream order), before the replay
+            mla.plan(self.inputs.tables[:bs, : self.inputs.width], self.inputs.row_lens)
         graph = (self.grouped_graphs if grouped else self.graphs).get(bs)
         if graph is not None:
             graph.replay()

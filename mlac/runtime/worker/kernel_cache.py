@@ -13,6 +13,13 @@ ranks that the process spawns inherit the environment variable. With a public ke
 Triton's group files (`__grp__*`) name their member files by absolute path: the artifact stores
 those paths relative to the cache directory (`portable_group`), and the copy makes them absolute
 again (`local_group`); otherwise Triton would miss the group and compile again.
+
+With `--attention-backend flashinfer` the unit's FlashInfer modules (flashinfer/, prepared with that
+backend) are copied, checked the same way, into a fresh FlashInfer workspace of this process, and
+FLASHINFER_WORKSPACE_BASE points at it (kernels/attention/flashinfer_mla.py: FlashInfer then loads
+them without building); the ranks that the process spawns inherit it. They are used only when the
+installed flashinfer is the version that built them; `--require-prepared` refuses to start otherwise,
+as it refuses a target without a cache.
 """
 
 from __future__ import annotations
@@ -38,8 +45,17 @@ from mlac.core.errors import IntegrityError, MlacError, TargetMismatch
 from mlac.core.files import FileEntry, check_inside
 from mlac.core.signed import unit_signed
 from mlac.core.signing import check_signature
-from mlac.core.units import CACHE_DIR, TRITON_DIR, TargetSignature, UnitManifest, signature_differences
+from mlac.core.units import (
+    CACHE_DIR,
+    FLASHINFER_DIR,
+    TRITON_DIR,
+    TargetSignature,
+    UnitManifest,
+    signature_differences,
+)
 from mlac.core.validity import ArtifactCheck
+from mlac.kernels.attention.flashinfer_mla import point_flashinfer_at
+from mlac.runtime.worker.backend_check import flashinfer_version
 from mlac.runtime.worker.target import current_target
 
 CacheMode = Literal["use", "require", "off"]  # off: Triton's own cache directory, untouched
@@ -59,6 +75,8 @@ class Candidate:
     prefix: str  # "triton/" in a unit; "cache/<key>/triton/" in a schema 1-2 manifest
     files: list[FileEntry]
     shown: str  # what messages put before a file's path: "cache/<key>/" for a unit
+    modules: tuple[FileEntry, ...] = ()  # FlashInfer's, under flashinfer/ (a unit prepared for it)
+    flashinfer: str | None = None  # the FlashInfer version that built `modules`
 
     @property
     def bytes(self) -> int:
@@ -68,7 +86,16 @@ class Candidate:
 def candidates(root: Path, manifest: Manifest, units: dict[str, UnitManifest]) -> list[Candidate]:
     """The units (checked by check_artifact) and the manifest's own caches (schema 1-2), units first."""
     out = [
-        Candidate(key, u.signature, root / CACHE_DIR / key, TRITON_DIR + "/", u.files, f"{CACHE_DIR}/{key}/")
+        Candidate(
+            key,
+            u.signature,
+            root / CACHE_DIR / key,
+            TRITON_DIR + "/",
+            u.files_under(TRITON_DIR),
+            f"{CACHE_DIR}/{key}/",
+            tuple(u.files_under(FLASHINFER_DIR)),
+            u.flashinfer,
+        )  # fmt: skip
         for key, u in units.items()
     ]
     return out + [
@@ -83,13 +110,15 @@ def use_kernel_cache(
     mode: CacheMode = "use",
     verify: bool = True,
     public_key: Path | None = None,
+    attention_backend: str = "triton",
 ) -> Path | None:
     """Point Triton at a copy of the artifact's kernel cache for `device`'s target; return the copy's
     directory (removed at exit), or None: off, not a CUDA device, or no cache of this target (one
     warning line naming what differs; TargetMismatch instead with mode "require"). `checked`: the
     artifact as check_artifact found it. The files are checked for size, and with `verify` for
     sha256: a tampered file is refused as the loader refuses one. With `public_key`, an unsigned unit
-    (or one signed by another key) is not used (a warning line; refused under "require")."""
+    (or one signed by another key) is not used (a warning line; refused under "require").
+    `attention_backend` "flashinfer": FlashInfer's modules of that cache too (use_flashinfer_modules)."""
     here = current_target(device) if mode != "off" else None
     if here is None:
         return None
@@ -107,6 +136,37 @@ def use_kernel_cache(
         cache.bytes / 1e6,
         dest,
     )
+    if attention_backend == "flashinfer":
+        use_flashinfer_modules(cache, mode == "require", verify)
+    return dest
+
+
+def use_flashinfer_modules(cache: Candidate, require: bool = False, verify: bool = True) -> Path | None:
+    """Point FlashInfer at a fresh workspace holding a checked copy of `cache`'s FlashInfer modules;
+    return it (removed at exit), or None when the cache holds none built by the installed flashinfer
+    (one warning line: FlashInfer compiles them on first use; TargetMismatch if `require`)."""
+    here = flashinfer_version()
+    if not cache.modules or cache.flashinfer != here:
+        why = (
+            f"the kernel cache {cache.key} holds no FlashInfer modules"
+            if not cache.modules
+            else f"the kernel cache {cache.key} holds FlashInfer {cache.flashinfer}'s modules, not {here}'s"
+        )
+        if require:
+            raise TargetMismatch(
+                f"--require-prepared: {why}; run `mlac prepare ARTIFACT --attention-backend flashinfer` on this GPU"
+            )
+        log.warning("%s; FlashInfer compiles its modules on first use", why)
+        return None
+    dest = Path(tempfile.mkdtemp(prefix="mlac-flashinfer-"))
+    atexit.register(shutil.rmtree, dest, True)
+    for entry in cache.modules:
+        data = read_checked(cache.folder, entry, verify, cache.shown + entry.path)
+        out = dest / entry.path[len(FLASHINFER_DIR) + 1 :]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+    point_flashinfer_at(dest)
+    log.info("FlashInfer %s modules of %s: %d, copied to %s", here, cache.key, len(cache.modules), dest)
     return dest
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")  # by torch's names
 GRAPH_DTYPES = ("bfloat16", "float16")  # every kernel of the step is a Triton one
+ATTENTION_BACKENDS = ("triton", "flashinfer")  # SGLang's --attention-backend names (attention_backend.py)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class RuntimeOptions(Options):
     cannot be captured). `load_overlap`: the weights stream in while the model is built and its
     graphs are captured (build.build_runner); off (tests): load, then build. `require_signature`: a
     PEM public key; the artifact must be signed with its private key (core/signing.py), its units
-    too to be used. `model`: the forms the model runs (runtime/model/options.py; its fields are
+    too to be used. `attention_backend`: whose kernel the absorbed MLA decode runs, mlac's Triton
+    mla_decode or FlashInfer's MLA (worker/attention_backend.py; refused where it cannot run, see
+    backend_check.py). `model`: the forms the model runs (runtime/model/options.py; its fields are
     options of this layer by name)."""
 
     device: torch.device | str = "cpu"  # the CLI passes check_device(--device): cuda when a GPU is present
@@ -61,6 +64,7 @@ class RuntimeOptions(Options):
     kv_cache_dtype: str | None = None  # its compiled KV cache dtype, as --kv-cache-dtype names it
     load_overlap: bool = True
     require_signature: Path | None = None  # a PEM public key the artifact's signature must verify with
+    attention_backend: str = "triton"  # ATTENTION_BACKENDS
     model: ModelOptions = field(default_factory=ModelOptions)
 
     def __post_init__(self) -> None:
@@ -77,6 +81,10 @@ class RuntimeOptions(Options):
         if self.max_model_len is not None and self.max_model_len < 1:
             raise MlacError(f"--max-model-len {self.max_model_len}: must be at least 1")
         kv_cache_dtype_of(self.kv_cache_dtype)  # a name it knows (MlacError otherwise)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise MlacError(
+                f"--attention-backend {self.attention_backend!r}: one of {', '.join(ATTENTION_BACKENDS)}"
+            )
 
     @property
     def dtype_name(self) -> str:

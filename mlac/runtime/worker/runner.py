@@ -16,6 +16,7 @@ from mlac.runtime.kvcache.pool import BlockPool
 from mlac.runtime.model.dp_attention import DPRank
 from mlac.runtime.model.model import DeepseekModel
 from mlac.runtime.step import Step
+from mlac.runtime.worker.attention_backend import TRITON, AttentionBackend
 from mlac.runtime.worker.graphs import DecodeGraphs
 from mlac.runtime.worker.spec_exec import Fail, Send, SpecExecutor
 from mlac.runtime.worker.spec_graphs import DraftGraphs
@@ -25,7 +26,8 @@ class ModelRunner:
     """Runs forward steps of one rank's model over its paged KV cache: decode steps through the
     CUDA graphs when it has them (a batch above the largest bucket as several replays, graphs.py),
     short extends too when they fit a bucket, every other step eagerly. Under DP attention (`dp`)
-    it runs its own part of every Step (dp_attention.py)."""
+    it runs its own part of every Step (dp_attention.py). `attention`: whose kernel its decode
+    steps run (attention_backend.py), planned here for an eager decode step."""
 
     def __init__(
         self,
@@ -34,8 +36,10 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         startup: dict[str, float] | None = None,
         dp: DPRank | None = None,
+        attention: AttentionBackend = TRITON,
     ):
         self.model = model
+        self.attention = attention
         self.cache = cache
         self.graphs = graphs
         self.dp = dp
@@ -65,7 +69,7 @@ class ModelRunner:
         if self.dp is not None:
             return self.dp.run(self.model, self.cache, step)
         token_ids, batch = step.to_device(self.cache.block_size, self.device)
-        return self.forward(token_ids, batch, step.every_token)
+        return self.forward(token_ids, self.attention.eager(batch), step.every_token)
 
     def run_decode(self, step: Step, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [B, V] of a decode `step`, its token ids from `ids` [B] int64 on the
@@ -76,7 +80,7 @@ class ModelRunner:
         if self.dp is not None:
             return self.dp.run(self.model, self.cache, step, ids)
         token_ids, batch = step.to_device(self.cache.block_size, self.device)
-        return self.forward(token_ids if ids is None else ids, batch)
+        return self.forward(token_ids if ids is None else ids, self.attention.eager(batch))
 
     def forward(
         self, token_ids: torch.Tensor, batch: ForwardBatch, every_token: bool = False
