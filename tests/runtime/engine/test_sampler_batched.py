@@ -143,8 +143,6 @@ def test_sample_apart_fails_the_bad_row_alone():
 def test_seeded_rows_on_cuda_draw_the_tokens_of_each_row_sampled_alone(rows):
     """The engine's generators live on the logits' device (sampling.generator_for): on CUDA the race's
     noise of a seeded row is torch.multinomial's own there too, at V2-Lite's vocabulary."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     dev, vocab = torch.device("cuda"), 102_400
     params = [
         SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in (MIX[r] for r in rows)
