@@ -90,6 +90,14 @@ def both_fed(engine: Engine, reqs, steady: list[bool], fed: list, **kw):
     return plain
 
 
+def matches_one_rank(engine: Engine, one: Engine, reqs, steady: list[bool], fed: list) -> None:
+    """A multi-rank engine with overlap gives the 1-rank engine's tokens and finish reasons for
+    `reqs` (the fed ids reached every rank intact), through fed steps and a steady state."""
+    want = run(one, reqs, False)
+    got = run(engine, reqs, True)
+    assert [g[:2] for g in got] == [w[:2] for w in want] and any(steady) and fed
+
+
 def admissions_and_aborts(engine: Engine, both, steady: list[bool]) -> None:
     """Requests arriving mid-run (two sharing a prompt with the first: prefix hits) through `both`
     (reqs, **kw -> the results without overlap, having checked overlap's against them), then the
