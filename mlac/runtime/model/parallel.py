@@ -107,6 +107,10 @@ class VocabParallelEmbedding(nn.Module):
         self.register_buffer("weight", weights.take(name), persistent=False)  # [V_local, D]
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]
+        if self.ctx.tp == 1:  # every row here: one lookup, not the masked form's 9 kernels (glue table)
+            # HAZARD: an id past the vocabulary is then a device-side index error, not a zero row; the
+            # engine refuses such prompt ids on admission, and sampled ids come from the logits' columns.
+            return F.embedding(token_ids, self.weight)
         local = token_ids - self.vocab_start
         inside = (local >= 0) & (local < self.n_local_vocab)  # [T]: ids this rank holds
         x = F.embedding(local.masked_fill(~inside, 0), self.weight)
