@@ -11,6 +11,7 @@ with one of these parameter mixes (SamplingParams):
     top_k       temperature 0.7, top_k 50
     top_p       temperature 0.9, top_p 0.9
     top_k_p     temperature 1.2, top_k 20, top_p 0.8
+    deepseek    temperature 0.6, top_p 0.95 (DeepSeek-V3's and R1's generation_config.json)
     seeded      as default, each row with its own seed (a torch.Generator per row)
 
 Each row's time: the median over --reps calls after one warm call (the device synchronized around each).
@@ -36,6 +37,7 @@ MIXES = {
     "top_k": dict(temperature=0.7, top_k=50),
     "top_p": dict(temperature=0.9, top_p=0.9),
     "top_k_p": dict(temperature=1.2, top_k=20, top_p=0.8),
+    "deepseek": dict(temperature=0.6, top_p=0.95),
     "seeded": dict(temperature=1.0),
 }
 

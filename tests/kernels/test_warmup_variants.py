@@ -269,7 +269,9 @@ STEP_SIZES += (500, 700, 767, 768, 769, 1000, 1500, 2047, 2048, 2500)
 def test_after_the_warmup_eager_steps_of_any_size_compile_nothing(tmp_path):
     from mlac.compiler.pipeline import compile_checkpoint
     from mlac.core.artifact import CompileOptions
+    from mlac.runtime.engine import sampling
     from mlac.runtime.engine.engine import Engine
+    from mlac.runtime.engine.params import SamplingParams
     from mlac.runtime.engine.scheduler import SchedulerConfig
     from mlac.runtime.worker.jit_compiles import JitCompiles
     from mlac.synth import synthesize
@@ -287,4 +289,10 @@ def test_after_the_warmup_eager_steps_of_any_size_compile_nothing(tmp_path):
             engine.generate(
                 [3 + (j * 11 + k * 17) % (vocab - 3) for j in range(n)], max_tokens=1, ignore_eos=True
             )
+        rows = 16  # the sampler's top-p kernels (warmed up on one row: the rows are no specialization)
+        sampling.sample(
+            torch.zeros(rows, vocab, device="cuda"),
+            [SamplingParams(temperature=1.0, top_p=0.9)] * rows,
+            [None] * rows,
+        )
     assert jit.compiled == [], f"compiled after the warm-up: {sorted(set(jit.compiled))}"

@@ -36,7 +36,7 @@ from mlac.runtime.engine.options import EngineOptions
 from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.penalties import Penalties, check_logit_bias
 from mlac.runtime.engine.prompt_logprobs import check_prompt_logprobs
-from mlac.runtime.engine.sampling import TokenLogprob, make_generator
+from mlac.runtime.engine.sampling import TokenLogprob, make_generator, sample
 from mlac.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from mlac.runtime.engine.sequence import Delta, FinishReason
 from mlac.runtime.engine.sequence import Sequence as Seq
@@ -244,7 +244,8 @@ class Engine:
         token counts that meet every kernel variant (tile config, K split, ...) the GEMMs, the grouped
         MoE and the router pick for steps of 1 to the chunk size tokens (step_variants.py: a burst of
         cached requests, a prefill's tail, run eager steps of any size in between).
-        With the prefix cache, last, the shared-prefix extend (`_warm_shared_prefix`).
+        Then the sampler's top-p kernel (`_warm_sampler`); with the prefix cache, last, the shared-prefix
+        extend (`_warm_shared_prefix`).
         Shapes that do not fit the KV cache or the context are left out."""
         if self.device.type != "cuda" and not force:
             return []
@@ -269,7 +270,14 @@ class Engine:
                     prompts, SamplingParams(max_tokens=2, ignore_eos=True)
                 )  # an extend after a cached prefix
             ran.append((n_seq, length))
+        self._warm_sampler()
         return ran + self._warm_shared_prefix()
+
+    def _warm_sampler(self) -> None:
+        """The sampler's own kernels (kernels/top_p.py: top-p without a top-k), on one row of logits of
+        the model's vocabulary (the width their launches are specialized on; the rows are not)."""
+        logits = torch.zeros(1, self.config.vocab_size, device=self.device)
+        sample(logits, [SamplingParams(temperature=1.0, top_p=0.95)], [None])
 
     def _warm_shared_prefix(self) -> list[tuple[int, int]]:
         """The shared-prefix extend's kernel (attention.extend_shared): a prompt cached, then,

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mlac.kernels._triton import use_triton
+from mlac.kernels.top_p import nucleus_cut, top_p_filter, top_p_filter_ref
 from mlac.runtime.device_copy import to_device
 from mlac.runtime.engine.params import SamplingParams
 
@@ -44,14 +46,9 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [B, V], top_p [B] -> keep the smallest set of most likely tokens with mass >= top_p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
-    drop_sorted = mass_before >= top_p[:, None]
-    drop_sorted[:, 0] = False  # always keep the most likely token
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    """logits [B, V], top_p [B] -> keep the smallest set of most likely tokens with mass >= top_p, and
+    the tokens exactly as likely as the last one kept (kernels/top_p.py's rule, by a sort)."""
+    return top_p_filter_ref(logits, top_p)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -68,11 +65,12 @@ def filter_rows(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
     """x [R, V] float32 logits (after temperature), each row's top_k (0: off) and top_p (1: off) as
     host values -> x with the filtered tokens at -inf, as apply_top_k then apply_top_p would leave it.
 
-    Only what some row asks for runs: no sort where every row keeps every token (top_k 0, top_p 1:
+    Only what some row asks for runs: nothing where every row keeps every token (top_k 0, top_p 1:
     OpenAI's defaults). Top-k takes the k largest by torch.topk at the batch's largest k up to
     TOP_K_CANDIDATES, and top-p then works among those candidates when every row that asks for it
     also asks for a top-k (the tokens outside are at -inf: probability 0, nothing to sort). Else
-    top-p sorts its own rows alone. Ties at a cut fall as the sort (or topk) orders them, as before."""
+    top-p runs over its rows' whole vocabulary: kernels/top_p.py's search on CUDA (no sort), the
+    sort on CPU. Ties at a top-k cut fall as torch.topk orders them; ties at a top-p cut are kept."""
     v = x.shape[-1]
     ks = [int(k) if 0 < k < v else 0 for k in top_k]  # a k of V or more keeps every token: off
     p_rows = [j for j, p in enumerate(top_p) if p < 1.0]
@@ -91,26 +89,14 @@ def filter_rows(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
         return x
     if cand is not None and all(ks[j] > 0 for j in p_rows):
         values = cand.values.masked_fill(cand.values < kth, float("-inf"))  # beyond each row's k
-        return x.masked_fill(_top_p_drop(values, cand.indices, top_p, x), float("-inf"))
-    rows = to_device(p_rows, torch.int64, x.device)
-    sub = apply_top_p(x.index_select(0, rows), to_device([top_p[j] for j in p_rows], torch.float32, x.device))
-    return x.index_copy(0, rows, sub)
-
-
-def _top_p_drop(
-    values: torch.Tensor, order: torch.Tensor, top_p: Sequence[float], x: torch.Tensor
-) -> torch.Tensor:
-    """The tokens top-p drops, [R, V] bool, from each row's top-k candidates in descending order
-    (values [R, C] with those beyond the row's k at -inf, their token ids `order`): apply_top_p's
-    rule over the candidates, in the rows with a top_p under 1 (their tokens outside the candidates
-    dropped too: ties at the k-th value beyond C); the other rows drop nothing here."""
-    probs = values.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely candidates
-    cut = to_device([p if p < 1.0 else float("inf") for p in top_p], torch.float32, x.device)[:, None]
-    keep_sorted = mass_before < cut
-    keep_sorted[:, 0] = True  # always keep the most likely token
-    keep = torch.zeros_like(x, dtype=torch.bool).scatter(1, order, keep_sorted)
-    return ~keep & (cut < float("inf"))
+        p_dev = to_device([min(p, 1.0) for p in top_p], torch.float32, x.device)
+        keep = (x >= nucleus_cut(values, p_dev)) | (p_dev >= 1)[:, None]
+        return x.masked_fill(~keep, float("-inf"))
+    rows = None if len(p_rows) == len(top_p) else to_device(p_rows, torch.int64, x.device)
+    sub = x if rows is None else x.index_select(0, rows)
+    p_sub = to_device([top_p[j] for j in p_rows], torch.float32, x.device)
+    sub = top_p_filter(sub, p_sub) if use_triton(sub) else top_p_filter_ref(sub, p_sub)
+    return sub if rows is None else x.index_copy(0, rows, sub)
 
 
 NOT_A_DISTRIBUTION = "the probabilities hold inf, nan or a negative value, or sum to 0"

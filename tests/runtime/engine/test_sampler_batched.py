@@ -155,3 +155,20 @@ def test_seeded_rows_on_cuda_draw_the_tokens_of_each_row_sampled_alone(rows):
         logits = 3 * torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)).to(dev)
         want = per_row_reference(logits, params, gens(seed))
         assert sample(logits, params, gens(seed)).tolist() == want, (rows, seed)
+
+
+def test_top_p_without_a_sort_draws_the_tokens_of_the_sort(monkeypatch):
+    """kernels/top_p.py's search (the CUDA path; without CUDA under the interpreter) against the sort
+    the CPU path runs: the same seeded tokens for top-p rows without a top-k, beside rows with other
+    filters."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in MIX]
+    logits = (3 * torch.randn(len(MIX), V, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)
+    logits = logits.float().to(dev)  # bf16 logits: tokens that tie at the cut
+
+    def tokens(search: bool) -> list[int]:
+        monkeypatch.setattr(sampling, "use_triton", lambda x: search)
+        gens = [torch.Generator(device=dev).manual_seed(j) for j in range(len(MIX))]
+        return sample(logits, params, gens).tolist()
+
+    assert tokens(search=True) == tokens(search=False)
