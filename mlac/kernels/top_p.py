@@ -19,7 +19,7 @@ max (torch), the search passes, and the write (out = x where e >= t, else -inf);
 and a CUDA graph can hold them.
 
 The sort this replaces cost about 30% of a V2-Lite decode step at batch 256 on an H200
-(benchmarks/results/sampler_v2-lite_h200.json); DeepSeek-V3's and R1's generation configs ask for
+(benchmarks/results/sampler_h200.json); DeepSeek-V3's and R1's generation configs ask for
 top_p 0.95 on every request.
 """
 
