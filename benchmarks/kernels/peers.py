@@ -1,4 +1,4 @@
-"""mlac's block-FP8 GEMM against cuBLAS, side by side on one GPU, at DeepSeek's linear shapes.
+"""mlac's block-FP8 GEMM against cuBLAS and DeepGEMM, side by side on one GPU, at DeepSeek's linear shapes.
 
     python benchmarks/kernels/peers.py --json kernels_peers_h200.json [--rows 1,32,64,128,256]
 
@@ -19,19 +19,24 @@ For each shape (V2-Lite's and V3's attention and dense-MLP projections, TP 1) an
              else rowwise scaling (one scale per row and per column: a coarser format, the only one
              cuBLAS offers there; said in the record); the activations quantized beforehand (not timed)
   bf16       torch.nn.functional.linear on bf16 weights: what FP8 halves the bytes of
+  DeepGEMM   where `deep_gemm` imports (not in the GPU image: its Python-JIT release built there from
+             its sources and CUTLASS's headers, see benchmarks/README.md): gemm_fp8_fp8_bf16_nt on the
+             same operands (1x128 activation scales, 128x128 weight scales: mlac's exact format), the
+             activations quantized and their scales laid out beforehand (not timed), as for cuBLAS;
+             `deepgemm_us` null with `deepgemm_error` where it refuses the shape
 
 Times: the median of graph replays (timing.graph_us). Each row: microseconds, mlac (the path the model
 takes) over cuBLAS (the ratio: < 1 is faster; cuBLAS's time leaves out the activation quantization, the
 route's includes it), and the fraction of the ceiling: the bytes the call must read (weights, scales,
 activations) over the device-copy bandwidth measured in this run (decode, memory-bound), and the FLOPs
-over the fp8 rate (a large M). FlashInfer and DeepGEMM are not in the GPU image (no package index
-there; DeepGEMM needs CUTLASS sources): this compares with cuBLAS only.
+over the fp8 rate (a large M). The record is written after every row (a run cut short keeps its rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from functools import partial
@@ -104,6 +109,27 @@ def cublas_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
     )
 
 
+def deepgemm_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
+    """(DeepGEMM's call on x's quantized rows and the e4m3 W, None) where it takes the shape and gives
+    the right product; (None, why) where it is not installed, refuses or is wrong."""
+    try:
+        import deep_gemm
+    except ImportError as e:
+        return None, f"not installed: {e}"
+    xq, xs = quantize_act_ref(x)  # [M, K] e4m3, [M, K/128] float32
+    out = torch.empty(x.shape[0], q.shape[0], device=DEV, dtype=torch.bfloat16)
+    try:
+        xs_t = deep_gemm.get_col_major_tma_aligned_tensor(xs)  # the layout its TMA loads want
+        call = partial(deep_gemm.gemm_fp8_fp8_bf16_nt, (xq, xs_t), (q, s), out)
+        call()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (a peer's refusal: recorded, the row goes on)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    ref = x.float() @ dequantize_blocks(q, s).t()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    return (call, None) if err < 0.05 else (None, f"wrong product: relative error {err:.3f}")
+
+
 def route_times(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> dict[str, float | None]:
     """mlac's cuBLAS route end to end (from a bf16 x; from its Fp8Act) and the Triton GEMM on that
     Fp8Act, where cuBLAS takes the shape and this GPU has block scaling; None elsewhere."""
@@ -140,6 +166,8 @@ def main() -> None:
             t_peer = graph_us([peer])
             t_bf16 = graph_us([partial(torch.nn.functional.linear, x, wb)])
             route = route_times(x, q, s)
+            dg, dg_error = deepgemm_call(x, q, s)
+            t_dg = graph_us([dg]) if dg is not None else None
             cublas = why is None and cublas_takes(m, n, k)
             best = route["mlac_cublas_us"] if cublas else min(t for t in (t_mlac, t_skinny) if t is not None)
             nbytes = n * k + s.numel() * 4 + m * k * 2 + m * n * 2
@@ -149,16 +177,30 @@ def main() -> None:
                          "mlac_skinny_us": t_skinny and round(t_skinny, 2),
                          **{key: t and round(t, 2) for key, t in route.items()},
                          "cublas_us": round(t_peer, 2), "cublas_scaling": scaling, "bf16_us": round(t_bf16, 2),
-                         "ratio": round(best / t_peer, 3), "fraction_of_ceiling": round(floor_us / best, 3)})  # fmt: skip
+                         "ratio": round(best / t_peer, 3), "fraction_of_ceiling": round(floor_us / best, 3),
+                         "deepgemm_us": t_dg and round(t_dg, 2), "ratio_deepgemm": t_dg and round(best / t_dg, 3),
+                         "deepgemm_fraction_of_ceiling": t_dg and round(floor_us / t_dg, 3), "deepgemm_error": dg_error})  # fmt: skip
             r = rows[-1]
             via = f"route {r['mlac_cublas_us']:8.2f} us" if r["mlac_cublas_us"] else "route      n/a   "
             print(f"{name:18} M={m:4} mlac({r['route']}) {r['mlac_us']:8.2f} us  Triton {r['mlac_fp8_gemm_us']:8.2f} us  "
                   f"{via}  cuBLAS({scaling}) {r['cublas_us']:8.2f} us  ratio {r['ratio']:.2f}  "
-                  f"bf16 {r['bf16_us']:8.2f} us  {100 * r['fraction_of_ceiling']:.0f}% of ceiling", flush=True)  # fmt: skip
-    record = {"benchmark": "block-FP8 GEMM: mlac vs cuBLAS", "device": torch.cuda.get_device_name(),
+                  f"bf16 {r['bf16_us']:8.2f} us  {100 * r['fraction_of_ceiling']:.0f}% of ceiling  "
+                  f"DeepGEMM {r['deepgemm_us'] or r['deepgemm_error']}", flush=True)  # fmt: skip
+            write(args, bw, why, rows)
+
+
+def write(args: argparse.Namespace, bw: float, why: str | None, rows: list[dict]) -> None:
+    """The record so far, to --json (after every row)."""
+    try:
+        import deep_gemm
+
+        deepgemm = os.environ.get("DEEPGEMM_SOURCE") or getattr(deep_gemm, "__version__", "installed")
+    except ImportError:
+        deepgemm = "not installed"
+    record = {"benchmark": "block-FP8 GEMM: mlac vs cuBLAS and DeepGEMM", "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
               "copy_gb_per_s": round(bw, 1), "fp8_tflops_ceiling": args.fp8_tflops,
-              "cublas_route": why or "available", "rows": rows,
+              "cublas_route": why or "available", "deepgemm": deepgemm, "rows": rows,
               "command": f"python benchmarks/kernels/peers.py --json RECORD --rows {args.rows}"}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
