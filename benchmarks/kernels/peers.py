@@ -150,13 +150,14 @@ def main() -> None:
         "--fp8-tflops", type=float, default=1223.0, help="the fp8 ceiling (DESIGN's measured rate)"
     )
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="M values, comma-separated")
+    ap.add_argument("--shapes", default="", help="only the shapes whose name starts so (v2-lite, v3)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_gbps()
     why = cublas_unavailable(torch.device(DEV))
     print(f"mlac's cuBLAS route: {'available' if why is None else why}", flush=True)
     rows, scaling = [], None
-    for name, k, n in SHAPES:
+    for name, k, n in (shape for shape in SHAPES if shape[0].startswith(args.shapes)):
         wb, q, s = weight(n, k)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -201,7 +202,7 @@ def write(args: argparse.Namespace, bw: float, why: str | None, rows: list[dict]
               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
               "copy_gb_per_s": round(bw, 1), "fp8_tflops_ceiling": args.fp8_tflops,
               "cublas_route": why or "available", "deepgemm": deepgemm, "rows": rows,
-              "command": f"python benchmarks/kernels/peers.py --json RECORD --rows {args.rows}"}  # fmt: skip
+              "command": f"python benchmarks/kernels/peers.py --json RECORD --rows {args.rows} --shapes '{args.shapes}'"}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
 

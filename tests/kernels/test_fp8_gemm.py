@@ -96,7 +96,11 @@ def test_fp8_gemm_configs(config):
     x, w, s = _case(20, 200, 520, seed=len(config))
     cfg = gemm_mod.GemmConfig(**config)
     ref = gemm_mod.fp8_linear_ref(x, w, s, torch.float32)
-    _util.assert_close(_run(x, w, s, torch.float32, cfg), ref)  # float32 out: summation order only
+    # float32 out: summation order only, but for Hopper's FP8 wgmma (64-row tiles), which adds the
+    # products of each K block at reduced precision before the float32 scale-and-add (DeepSeek-V3's
+    # report: about 14 bits): 1.3e-4 measured on an H200
+    wgmma = x.is_cuda and cfg.block_m >= 64 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    _util.assert_close(_run(x, w, s, torch.float32, cfg), ref, rtol=5e-4 if wgmma else None)
 
 
 @needs_triton
