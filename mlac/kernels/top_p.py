@@ -1,5 +1,5 @@
 """Top-p (nucleus) filtering without a sort: logits [R, V] -> the same logits with every token outside
-each row's nucleus at -inf, one launch, nothing waited for.
+each row's nucleus at -inf, in a fixed number of launches, nothing waited for.
 
 The rule (shared with the sort-based reference `top_p_filter_ref`): with e = exp(x - max(x)) and
 s = sum(e), the cut is the largest value t such that the tokens with e >= t hold at least top_p * s;
@@ -60,20 +60,19 @@ PASSES = search_passes(CANDS)  # 10
 def nucleus_cut(desc: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """desc [R, C] each row's logits in descending order (-inf allowed past the first), top_p [R] ->
     the logit of the last token the rule keeps, [R, 1]: the tokens at or above it hold at least
-    top_p of the row's mass, those strictly above it less."""
+    top_p of the row's mass, those strictly above it less; -inf where top_p >= 1 (every token)."""
     e = (desc - desc[:, :1]).exp()  # [R, C] in [0, 1]
     before = e.cumsum(dim=-1) - e  # mass of the tokens sorted ahead
     target = top_p.to(e.dtype)[:, None] * e.sum(dim=-1, keepdim=True)  # [R, 1]
     last = ((before < target).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # the last kept position
-    return desc.gather(1, last)
+    return desc.gather(1, last).masked_fill(top_p[:, None] >= 1, float("-inf"))
 
 
 def top_p_filter_ref(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The rule by a sort: x [R, V] float32 logits, top_p [R] -> x with the tokens outside each row's
     nucleus at -inf (module docstring: ties at the cut all kept; top_p >= 1 keeps every token)."""
     cut = nucleus_cut(x.sort(dim=-1, descending=True).values, top_p)
-    keep = (x >= cut) | (top_p[:, None] >= 1)
-    return x.masked_fill(~keep, float("-inf"))
+    return x.masked_fill(x < cut, float("-inf"))
 
 
 if triton is not None:
@@ -163,10 +162,10 @@ if triton is not None:
             tl.store(out_row + start + offs, tl.where(bits >= cut, v, float("-inf")), mask=ok)
 
 
-def splits_for(rows: int, vocab: int, block: int = BLOCK) -> tuple[int, int]:
-    """(S, CHUNK): each row split into S chunks of CHUNK columns (a multiple of block), so that
-    rows x S comes near PROGRAMS, each chunk at least one block."""
-    want = max(1, min(-(-PROGRAMS // rows), -(-vocab // block)))
+def splits_for(rows: int, vocab: int, block: int = BLOCK, splits: int | None = None) -> tuple[int, int]:
+    """(S, CHUNK): each row split into about `splits` chunks of CHUNK columns (a multiple of block);
+    by default so that rows x S comes near PROGRAMS, each chunk at least one block."""
+    want = splits or max(1, min(-(-PROGRAMS // rows), -(-vocab // block)))
     chunk = -(-vocab // (want * block)) * block
     return -(-vocab // chunk), chunk
 
@@ -190,10 +189,7 @@ def top_p_filter(
     (r, v), passes = x.shape, search_passes(cands)
     if r == 0:
         return out
-    s, chunk = splits_for(r, v, block)
-    if splits is not None:
-        chunk = -(-v // (splits * block)) * block
-        s = -(-v // chunk)
+    s, chunk = splits_for(r, v, block, splits)
     m = x.amax(dim=1)  # [R]
     part = torch.empty(passes, r, s, cands, dtype=torch.float32, device=x.device)
     ranges = torch.empty(passes, r, 2, dtype=torch.int64, device=x.device)

@@ -89,9 +89,8 @@ def filter_rows(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
         return x
     if cand is not None and all(ks[j] > 0 for j in p_rows):
         values = cand.values.masked_fill(cand.values < kth, float("-inf"))  # beyond each row's k
-        p_dev = to_device([min(p, 1.0) for p in top_p], torch.float32, x.device)
-        keep = (x >= nucleus_cut(values, p_dev)) | (p_dev >= 1)[:, None]
-        return x.masked_fill(~keep, float("-inf"))
+        cut = nucleus_cut(values, to_device(list(top_p), torch.float32, x.device))  # -inf: top_p 1
+        return x.masked_fill(x < cut, float("-inf"))
     rows = None if len(p_rows) == len(top_p) else to_device(p_rows, torch.int64, x.device)
     sub = x if rows is None else x.index_select(0, rows)
     p_sub = to_device([top_p[j] for j in p_rows], torch.float32, x.device)
