@@ -54,12 +54,12 @@ def measure(x: torch.Tensor, p: torch.Tensor, gbps: float) -> dict:
         sort_us=round(sort_us, 1),
         kept_per_row=round(want.sum().item() / len(x), 1),
         eager_sort_us=round(eager_us(lambda: tp.top_p_filter_ref(x, p)), 1),
-        eager_search_us=round(eager_us(lambda: tp.top_p_filter(x, p)), 1),
+        eager_search_us=round(eager_us(lambda: tp.top_p_filter_triton(x, p)), 1),
     )
     row["configs"] = []
     for kw in SWEEP:
-        got = torch.isfinite(tp.top_p_filter(x, p, **kw))
-        us = graph_us([lambda kw=kw: tp.top_p_filter(x, p, **kw)])
+        got = torch.isfinite(tp.top_p_filter_triton(x, p, **kw))
+        us = graph_us([lambda kw=kw: tp.top_p_filter_triton(x, p, **kw)])
         mismatched = int((got != want).sum())
         row["configs"].append(
             dict(

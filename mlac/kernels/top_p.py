@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from mlac.kernels._triton import HAS_TRITON, pdl_launch, pdl_start, tl, triton
+from mlac.kernels._triton import use_triton as _use_triton
 from mlac.kernels.fp8_quant import interpreting
 
 if HAS_TRITON:
@@ -170,7 +171,7 @@ def splits_for(rows: int, vocab: int, block: int = BLOCK, splits: int | None = N
     return -(-vocab // chunk), chunk
 
 
-def top_p_filter(
+def top_p_filter_triton(
     x: torch.Tensor,
     top_p: torch.Tensor,
     block: int = BLOCK,
@@ -182,7 +183,7 @@ def top_p_filter(
     a new [R, V] tensor, as top_p_filter_ref computes it (the sums in another order). `block`,
     `cands` (powers of two), `num_warps` and `splits` (S; default splits_for's): the defaults unless
     a sweep (benchmarks/kernels/top_p.py) or a test."""
-    assert HAS_TRITON, "top_p_filter needs triton"
+    assert HAS_TRITON, "top_p_filter_triton needs triton"
     assert x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1, (x.shape, x.dtype, x.stride())
     assert top_p.shape == (x.shape[0],) and top_p.dtype == torch.float32, (top_p.shape, top_p.dtype)
     out = torch.empty_like(x)
@@ -206,3 +207,11 @@ def top_p_filter(
         BLOCK=block, CANDS=cands, EXACT_EXP=exact, num_warps=num_warps, **pdl_launch(),
     )  # fmt: skip
     return out
+
+
+def top_p_filter(x: torch.Tensor, top_p: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """x [R, V] float32 logits, top_p [R] float32 -> a new [R, V] with the tokens outside each row's
+    nucleus at -inf: the Triton launches on CUDA (or `use_triton`), the sort elsewhere."""
+    if _use_triton(x, use_triton):
+        return top_p_filter_triton(x, top_p)
+    return top_p_filter_ref(x, top_p)

@@ -49,7 +49,7 @@ def test_kernel_keeps_what_the_reference_keeps(triton_device, v, ties, splits, c
     x[1] = torch.arange(v) * 3e-7  # neighbours ~5 ulps of e apart: a cut off by a few ulps shows
     p = torch.tensor([0.9, 0.95, 0.5, 1.0, 0.99, 1e-4])
     want = tp.top_p_filter_ref(x, p)
-    got = tp.top_p_filter(
+    got = tp.top_p_filter_triton(
         x.to(triton_device), p.to(triton_device), block=128, cands=cands, splits=splits
     ).cpu()
     assert torch.equal(kept(got), kept(want)), (kept(got) != kept(want)).sum(dim=-1)
@@ -69,5 +69,5 @@ def test_kernel_on_strided_rows_and_no_rows(triton_device):
     wide = logits(3, 1200, seed=5).to(triton_device)
     x = wide[:, :1000]  # row stride 1200
     p = torch.full((3,), 0.8, device=triton_device)
-    assert torch.equal(kept(tp.top_p_filter(x, p)).cpu(), kept(tp.top_p_filter_ref(x.cpu(), p.cpu())))
-    assert tp.top_p_filter(x[:0], p[:0]).shape == (0, 1000)
+    assert torch.equal(kept(tp.top_p_filter_triton(x, p)).cpu(), kept(tp.top_p_filter_ref(x.cpu(), p.cpu())))
+    assert tp.top_p_filter_triton(x[:0], p[:0]).shape == (0, 1000)

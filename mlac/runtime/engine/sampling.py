@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mlac.kernels._triton import use_triton
 from mlac.kernels.top_p import nucleus_cut, top_p_filter, top_p_filter_ref
 from mlac.runtime.device_copy import to_device
 from mlac.runtime.engine.params import SamplingParams
@@ -94,7 +93,7 @@ def filter_rows(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
     rows = None if len(p_rows) == len(top_p) else to_device(p_rows, torch.int64, x.device)
     sub = x if rows is None else x.index_select(0, rows)
     p_sub = to_device([top_p[j] for j in p_rows], torch.float32, x.device)
-    sub = top_p_filter(sub, p_sub) if use_triton(sub) else top_p_filter_ref(sub, p_sub)
+    sub = top_p_filter(sub, p_sub)
     return sub if rows is None else x.index_copy(0, rows, sub)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mlac.kernels import top_p
 from mlac.runtime.engine import sampling
 from mlac.runtime.engine.params import SamplingParams
 from mlac.runtime.engine.sampling import apply_min_p, apply_top_k, apply_top_p, draw, filter_rows, sample
@@ -167,7 +168,7 @@ def test_top_p_without_a_sort_draws_the_tokens_of_the_sort(monkeypatch):
     logits = logits.float().to(dev)  # bf16 logits: tokens that tie at the cut
 
     def tokens(search: bool) -> list[int]:
-        monkeypatch.setattr(sampling, "use_triton", lambda x: search)
+        monkeypatch.setattr(top_p, "_use_triton", lambda x, requested=None: search)
         gens = [torch.Generator(device=dev).manual_seed(j) for j in range(len(MIX))]
         return sample(logits, params, gens).tolist()
 
